@@ -1,0 +1,1 @@
+"""The django-anarchon benchmark: ``python bench/run.py`` (see docs/performance.md)."""

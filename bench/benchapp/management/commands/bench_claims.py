@@ -1,0 +1,118 @@
+"""One closed-loop claiming client of the claim-throughput benchmark (see bench/scenarios/claims.py).
+
+``--mode decide``: the engine's own claim path. Walks the same sequence of (job, slot)
+batches as every other client, so that all clients race for every slot: for each batch it
+runs :func:`django_anarchon.store.decide` the way the scheduler loop does (with
+``skip_locked`` where the engine has it, trying the jobs another client holds again
+``BUSY_RETRY_MS`` later) and, for each run it won, :func:`django_anarchon.store.finish`
+(what the runner records when the handler returns). Every claim decided is one decision:
+won, or lost to the client that got there first.
+
+``--mode insert``: the reference, a one-row INSERT with a primary-key conflict check on a
+random key, one transaction each, through the same Django connection.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import time
+import uuid
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+from django.db import DatabaseError, connection
+
+from django_anarchon import Scheduler, engine, store
+
+
+def _noop(ctx: Any) -> None:
+    """Never called: the clients claim, they run nothing."""
+
+
+class Command(BaseCommand):
+    help = "A closed-loop claiming client for the claim-throughput benchmark."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--mode", choices=["decide", "insert"], required=True)
+        parser.add_argument("--batch", type=int, default=1, help="claims per transaction (slots due at once)")
+        parser.add_argument("--jobs", type=int, default=1000)
+        parser.add_argument("--base", type=int, required=True, help="first slot (ms); the same for every client")
+        parser.add_argument("--start-at", type=float, required=True, help="time.time() to start at")
+        parser.add_argument("--seconds", type=float, required=True)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        deadline = options["start_at"] + options["seconds"]
+        measure = self._decide if options["mode"] == "decide" else self._insert
+        counts = measure(options, deadline)
+        self.stdout.write(json.dumps(counts))
+
+    def _wait(self, start_at: float) -> float:
+        """Connect, sleep until ``start_at``; return how late this client starts (it should be 0)."""
+        connection.ensure_connection()
+        time.sleep(max(0.0, start_at - time.time()))
+        return max(0.0, time.time() - start_at)
+
+    def _decide(self, options: dict[str, Any], deadline: float) -> dict[str, Any]:
+        scheduler = Scheduler()
+        for i in range(options["jobs"]):
+            scheduler.every(f"claim-{i:05d}", "1s", _noop)
+        jobs, batch, base = scheduler.jobs, options["batch"], options["base"]
+        owner = uuid.uuid4().hex
+        # What the loop passes (engines before skip_locked simply wait for the lock).
+        extra: dict[str, Any] = {}
+        if "skip_locked" in inspect.signature(store.decide).parameters:
+            extra["skip_locked"] = True
+        retry_s = getattr(engine, "BUSY_RETRY_MS", 5) / 1000
+        counts = {"decisions": 0, "won": 0, "skipped": 0, "deferred": 0, "busy": 0, "transactions": 0, "errors": 0}
+        counts["late_start_ms"] = round(self._wait(options["start_at"]) * 1000)
+        k = 0
+        claims: list[store.Claim] = []
+        while time.time() < deadline:
+            if not claims:
+                first = k * batch
+                slot = base + (first // len(jobs)) * 1000
+                start = first % len(jobs)
+                claims = [store.Claim(job, slot) for job in jobs[start : start + batch]]
+                k += 1
+            try:
+                outcome = store.decide(claims, owner=owner, instance_id=owner[:8], ttl=30, capacity=batch, **extra)
+                for run in outcome.won:
+                    store.finish(run.id, owner=owner, status="success")
+            except DatabaseError:  # SQLite: "database is locked" past the busy timeout; the engine retries too
+                counts["errors"] += 1
+                connection.close()
+                continue
+            busy = set(getattr(outcome, "busy", ()))
+            counts["transactions"] += 1 + len(outcome.won)
+            counts["decisions"] += len(claims) - len(outcome.deferred) - len(busy)
+            counts["won"] += len(outcome.won)
+            counts["skipped"] += len(outcome.skipped)
+            counts["deferred"] += len(outcome.deferred)
+            counts["busy"] += len(busy)
+            claims = [c for c in claims if c.job.name in busy]
+            if claims:
+                time.sleep(retry_s)  # as the loop does: another instance is deciding these right now
+        counts["lost"] = counts["decisions"] - counts["won"] - counts["skipped"]
+        return counts
+
+    def _insert(self, options: dict[str, Any], deadline: float) -> dict[str, Any]:
+        if connection.vendor == "mysql":
+            sql = "INSERT IGNORE INTO benchapp_claimref (k) VALUES (%s)"
+        else:
+            sql = "INSERT INTO benchapp_claimref (k) VALUES (%s) ON CONFLICT (k) DO NOTHING"
+        counts = {"decisions": 0, "won": 0, "transactions": 0, "errors": 0}
+        counts["late_start_ms"] = round(self._wait(options["start_at"]) * 1000)
+        rng = random.Random()
+        with connection.cursor() as cursor:
+            while time.time() < deadline:
+                try:
+                    cursor.execute(sql, [rng.randrange(1, 2**62)])  # autocommit: one transaction
+                except DatabaseError:
+                    counts["errors"] += 1
+                    continue
+                counts["decisions"] += 1
+                counts["won"] += cursor.rowcount
+                counts["transactions"] += 1
+        return counts

@@ -1,0 +1,69 @@
+"""What the benchmark ran on: CPU, memory, OS, database and library versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sqlite3
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+
+def _first(path: str, prefix: str) -> str:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(prefix):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+def _command(*args: str) -> str:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def engine_version(package: Path | None = None) -> str:
+    """The git commit of the measured django_anarchon (``+changes`` if its files differ from it)."""
+    if package is not None:
+        return f"copy at {package}"
+    root = Path(__file__).resolve().parent.parent
+    commit = _command("git", "-C", str(root), "rev-parse", "--short", "HEAD")
+    changed = _command("git", "-C", str(root), "status", "--porcelain", "--", "django_anarchon")
+    return f"{commit}{' +uncommitted changes' if changed else ''}"
+
+
+def describe() -> dict[str, Any]:
+    mem_kb = _first("/proc/meminfo", "MemTotal").split()[0]
+    os_name = platform.freedesktop_os_release().get("PRETTY_NAME", platform.platform())
+    host, user = (
+        os.environ.get("ANARCHON_BENCH_PG_HOST", "127.0.0.1"),
+        os.environ.get("ANARCHON_BENCH_PG_USER", "postgres"),
+    )
+    return {
+        "cpu": _first("/proc/cpuinfo", "model name"),
+        "cores": os.cpu_count(),
+        "memory_gb": round(int(mem_kb) / 1024 / 1024, 1) if mem_kb.isdigit() else "?",
+        "os": f"{os_name} (kernel {platform.release()})",
+        "python": platform.python_version(),
+        "django": _version("Django"),
+        "psycopg": _version("psycopg"),
+        "apscheduler": _version("APScheduler"),
+        "croniter": _version("croniter"),
+        "postgresql": _command("psql", "-h", host, "-U", user, "-Atc", "SHOW server_version", "postgres"),
+        "mariadb": _command("mariadb", "-h", "127.0.0.1", "-u", "root", "-N", "-e", "SELECT VERSION()"),
+        "sqlite": sqlite3.sqlite_version,
+        "pgbench": _command("pgbench", "--version"),
+    }

@@ -1,0 +1,548 @@
+"""Turn the results into targets, a Markdown report and a plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+DB_LABEL = {"postgres": "PostgreSQL", "sqlite": "SQLite", "mariadb": "MariaDB"}
+SHORT = {"postgres": "PG", "sqlite": "SQLite", "mariadb": "MariaDB"}
+LOG_RATIO_LIMIT = math.log(100_000) / math.log(1_000)  # how much log n grows from 1k to 100k jobs
+# Allowance for timing noise and CPU-cache effects on a shared 2-core machine: the same
+# per-fire figure moved by 3x between two runs here.
+NOISE = 2.0
+
+
+def _target(what: str, db: str, value: float, limit: float, unit: str, met: bool, note: str = "") -> dict[str, Any]:
+    return {"what": what, "db": db, "value": value, "limit": limit, "unit": unit, "met": met, "note": note}
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    aps = results["reference"].get("apscheduler")
+    for db, scenarios in results["databases"].items():
+        late = scenarios.get("lateness", {})
+        for run in late.get("runs", []):
+            if run["instances"] == 3 and run["settings"].get("MAX_WORKERS") and aps:
+                found.append(
+                    _target(
+                        "1. lateness p99, 3 instances ≤ APScheduler p99",
+                        db,
+                        run["p99_ms"],
+                        aps["p99_ms"],
+                        "ms",
+                        run["p99_ms"] <= aps["p99_ms"] and run["completeness"] >= 0.999,
+                        f"{run['p99_ms'] / aps['p99_ms']:.1f}× the reference; "
+                        f"{run['completeness']:.1%} of slots ran, {run['duplicates']} duplicates",
+                    )
+                )
+            if not run["settings"]:
+                found.append(
+                    _target(
+                        "1. every slot runs with default settings (1 instance)",
+                        db,
+                        run["completeness"] * 100,
+                        100,
+                        "% of slots",
+                        run["completeness"] >= 0.999,
+                        f"{run['missing']} of {run['expected']} slots never ran (MAX_WORKERS=16)",
+                    )
+                )
+        for row in scenarios.get("claims", {}).get("rows", []):
+            reference = row.get("pgbench_per_s")
+            if reference:
+                value = row["decide_1"]["per_s"]
+                found.append(
+                    _target(
+                        f"2. claims/s, {row['clients']} clients ≥ 50 % of pgbench",
+                        db,
+                        value,
+                        round(reference / 2, 1),
+                        "claims/s",
+                        value >= reference / 2,
+                        f"{row['ratio_1']:.0%} of pgbench one claim per transaction; "
+                        f"{row['ratio_100']:.0%} with 100 due at once",
+                    )
+                )
+        idle = scenarios.get("idle", {})
+        for instance in idle.get("instances", []):
+            found.append(
+                _target(
+                    f"3. idle statements/s, {instance['jobs']:,} jobs < 2",
+                    db,
+                    instance["queries_per_s"],
+                    2,
+                    "per s",
+                    instance["queries_per_s"] < 2,
+                )
+            )
+        pickup = idle.get("pickup")
+        if pickup and db == "postgres":
+            limit = 0.1 * pickup["poll_interval_s"] * 1000
+            found.append(
+                _target(
+                    "3. manual run picked up without a poll (NOTIFY)",
+                    db,
+                    pickup["max_ms"],
+                    limit,
+                    "ms",
+                    pickup["max_ms"] < limit,
+                    f"POLL_INTERVAL={pickup['poll_interval_s']:g}s; "
+                    f"waiting for a poll would take {pickup['poll_interval_s'] / 2:g}s on average",
+                )
+            )
+        failover = scenarios.get("failover", {})
+        for name, label in (("sigkill", "SIGKILL → takeover start"), ("sigterm", "SIGTERM → hand-over start")):
+            if name in failover:
+                item = failover[name]
+                found.append(
+                    _target(
+                        f"4. {label} ≤ {'LEASE_TTL + POLL' if name == 'sigkill' else 'POLL + 0.5 s'}",
+                        db,
+                        item["max_s"],
+                        item["target_s"],
+                        "s (max)",
+                        item["max_s"] <= item["target_s"],
+                        f"median {item['median_s']} s over {len(item['samples'])}",
+                    )
+                )
+        in_process = {r["jobs"]: r for r in scenarios.get("scale", {}).get("in_process", [])}
+        if 1_000 in in_process and 100_000 in in_process:
+            small, big = in_process[1_000], in_process[100_000]
+            kinds = set(small["per_fire_us_by_kind"]) & set(big["per_fire_us_by_kind"])
+            ratios = {k: big["per_fire_us_by_kind"][k] / small["per_fire_us_by_kind"][k] for k in sorted(kinds)}
+            worst = max(ratios.values())
+            ratios["heap push+pop alone"] = big["heap_op_us"] / small["heap_op_us"]
+            found.append(
+                _target(
+                    "5. cost per fire O(log n): 100k/1k jobs",
+                    db,
+                    round(worst, 2),
+                    round(LOG_RATIO_LIMIT * NOISE, 2),
+                    "× (worst)",
+                    worst <= LOG_RATIO_LIMIT * NOISE,
+                    "; ".join(f"{k} {v:.2f}×" for k, v in ratios.items())
+                    + f" (log n grows {LOG_RATIO_LIMIT:.2f}×, linear would be 100×)",
+                )
+            )
+    return found
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "–"
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def targets_table(found: list[dict[str, Any]]) -> str:
+    rows = [
+        [
+            t["what"],
+            DB_LABEL[t["db"]],
+            t["value"],
+            f"{_fmt(t['limit'])} {t['unit']}",
+            "✅ met" if t["met"] else "❌ missed",
+            t["note"],
+        ]
+        for t in found
+    ]
+    return _table(["target", "database", "measured", "limit", "", "note"], rows)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    m = meta["machine"]
+    out = [
+        "# django-anarchon benchmark results",
+        "",
+        f"Run {meta['started']} with `{meta['command']}` in {meta['elapsed_s']:.0f} s, "
+        f"measuring django_anarchon {meta.get('engine', '?')} (at the start of the run)"
+        + (" (**quick mode**: short windows)" if meta["quick"] else "")
+        + ".",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB RAM, {m['os']}; "
+        f"PostgreSQL {m['postgresql']}, MariaDB {m['mariadb']}, SQLite {m['sqlite']}; "
+        f"Python {m['python']}, Django {m['django']}, psycopg {m['psycopg']}, APScheduler {m['apscheduler']}.",
+        "",
+        "## Targets",
+        "",
+        targets_table(results["targets"]),
+        "",
+    ]
+    aps = results["reference"].get("apscheduler")
+    late_rows = []
+    if aps:
+        late_rows.append(
+            [
+                "APScheduler 3 (reference)",
+                "–",
+                1,
+                "–",
+                aps["p50_ms"],
+                aps["p99_ms"],
+                aps["max_ms"],
+                1.0,
+                aps["completeness"] * 100,
+                aps["duplicates"],
+            ]
+        )
+    for db, scenarios in results["databases"].items():
+        for run in scenarios.get("lateness", {}).get("runs", []):
+            ratio = run["p99_ms"] / aps["p99_ms"] if aps else math.nan
+            workers = run["settings"].get("MAX_WORKERS", "16 (default)")
+            late_rows.append(
+                [
+                    "anarchon",
+                    DB_LABEL[db],
+                    run["instances"],
+                    workers,
+                    run["p50_ms"],
+                    run["p99_ms"],
+                    run["max_ms"],
+                    ratio,
+                    run["completeness"] * 100,
+                    run["duplicates"],
+                ]
+            )
+    if late_rows:
+        out += [
+            "## 1. Lateness (100 jobs every 1 s; handler start − slot)",
+            "",
+            _table(
+                [
+                    "scheduler",
+                    "database",
+                    "instances",
+                    "MAX_WORKERS",
+                    "p50 ms",
+                    "p99 ms",
+                    "max ms",
+                    "p99 / reference",
+                    "% slots run",
+                    "duplicates",
+                ],
+                late_rows,
+            ),
+            "",
+        ]
+    claim_rows = []
+    for db, scenarios in results["databases"].items():
+        for row in scenarios.get("claims", {}).get("rows", []):
+            claim_rows.append(
+                [
+                    DB_LABEL[db],
+                    row["clients"],
+                    row.get("pgbench_per_s", math.nan),
+                    row["insert"]["per_s"],
+                    row["decide_1"]["per_s"],
+                    row["decide_100"]["per_s"],
+                    row["ratio_1"],
+                    row["ratio_100"],
+                    row["ratio_insert_1"],
+                ]
+            )
+    if claim_rows:
+        out += [
+            "## 2. Claim throughput (decisions/s: won + lost)",
+            "",
+            "Reference: pgbench one-row `INSERT … ON CONFLICT` (PostgreSQL); "
+            "elsewhere the same one-row INSERT from Python clients.",
+            "",
+            _table(
+                [
+                    "database",
+                    "clients",
+                    "pgbench tx/s",
+                    "Python INSERT/s",
+                    "anarchon 1/tx",
+                    "anarchon 100/tx",
+                    "1/tx ÷ ref",
+                    "100/tx ÷ ref",
+                    "1/tx ÷ Python INSERT",
+                ],
+                claim_rows,
+            ),
+            "",
+        ]
+    idle_rows, pickup_rows = [], []
+    for db, scenarios in results["databases"].items():
+        idle = scenarios.get("idle", {})
+        for inst in idle.get("instances", []):
+            kinds = ", ".join(f"{k} {v:g}" for k, v in inst["by_kind_per_s"].items())
+            idle_rows.append(
+                [
+                    DB_LABEL[db],
+                    inst["jobs"],
+                    inst["queries_per_s"],
+                    inst["cpu_s_per_min"],
+                    inst["rss_mb"],
+                    inst["startup_s"],
+                    kinds,
+                ]
+            )
+        if "pickup" in idle:
+            p = idle["pickup"]
+            pickup_rows.append([DB_LABEL[db], p["poll_interval_s"], p["runs"], p["p50_ms"], p["max_ms"]])
+    if idle_rows:
+        out += [
+            "## 3. Idle cost (one instance, no due slot)",
+            "",
+            _table(
+                ["database", "jobs", "statements/s", "CPU s/min", "RSS MB", "start-up s", "statements/s by kind"],
+                idle_rows,
+            ),
+            "",
+            "Manual run pickup (`run_now()` from another process until the handler starts):",
+            "",
+            _table(["database", "POLL_INTERVAL s", "runs", "p50 ms", "max ms"], pickup_rows),
+            "",
+        ]
+    fail_rows = []
+    for db, scenarios in results["databases"].items():
+        f = scenarios.get("failover", {})
+        for name in ("sigkill", "sigterm"):
+            if name in f:
+                fail_rows.append(
+                    [
+                        DB_LABEL[db],
+                        name.upper(),
+                        f["lease_ttl_s"],
+                        f["poll_interval_s"],
+                        f[name]["median_s"],
+                        f[name]["max_s"],
+                        f[name]["target_s"],
+                        len(f[name]["samples"]),
+                    ]
+                )
+    if fail_rows:
+        out += [
+            "## 4. Failover (signal → next attempt's handler start)",
+            "",
+            _table(
+                [
+                    "database",
+                    "signal",
+                    "LEASE_TTL s",
+                    "POLL_INTERVAL s",
+                    "median s",
+                    "max s",
+                    "target s",
+                    "repetitions",
+                ],
+                fail_rows,
+            ),
+            "",
+        ]
+    scale_rows, proc_rows = [], []
+    for db, scenarios in results["databases"].items():
+        s = scenarios.get("scale", {})
+        for r in s.get("in_process", []):
+            k = r["per_fire_us_by_kind"]
+            scale_rows.append(
+                [
+                    r["jobs"],
+                    r["declare_s"],
+                    r["heap_build_s"],
+                    r["per_fire_us"],
+                    k.get("interval", math.nan),
+                    k.get("cron", math.nan),
+                    r["heap_op_us"],
+                    r["next_after_us"]["interval"],
+                    r["next_after_us"]["cron"],
+                    r["rss_growth_mb"],
+                ]
+            )
+        if "process" in s:
+            p = s["process"]
+            proc_rows.append(
+                [
+                    DB_LABEL[db],
+                    p["jobs"],
+                    p["first_start_s"],
+                    p["restart_s"],
+                    p["rss_mb"],
+                    p["cpu_s_per_min"],
+                    p["queries_per_s"],
+                    p["fires"],
+                    p["seconds"],
+                ]
+            )
+    if scale_rows or proc_rows:
+        out += ["## 5. Scale (mixed interval and cron jobs, 40 timezones)", ""]
+        if scale_rows:
+            out += [
+                _table(
+                    [
+                        "jobs",
+                        "declare s",
+                        "heap build s",
+                        "µs/fire",
+                        "µs/fire interval",
+                        "µs/fire cron",
+                        "µs heap op",
+                        "next_after µs interval",
+                        "next_after µs cron",
+                        "RSS growth MB",
+                    ],
+                    scale_rows,
+                ),
+                "",
+            ]
+        if proc_rows:
+            out += [
+                _table(
+                    [
+                        "database",
+                        "jobs",
+                        "first start s",
+                        "restart s",
+                        "RSS MB",
+                        "CPU s/min idle",
+                        "statements/s",
+                        "fires in window",
+                        "window s",
+                    ],
+                    proc_rows,
+                ),
+                "",
+            ]
+    errors = [
+        f"- {db} {name}: see latest.json"
+        for db, sc in results["databases"].items()
+        for name, r in sc.items()
+        if "error" in r
+    ]
+    if errors:
+        out += ["## Errors", "", *errors, ""]
+    return "\n".join(out)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
+    m = results["meta"]["machine"]
+    fig.suptitle(
+        f"django-anarchon benchmark {results['meta']['started']}{' (quick)' if results['meta']['quick'] else ''} — "
+        f"{m['cpu']}, {m['cores']} cores, PostgreSQL {m['postgresql']}",
+        fontsize=11,
+    )
+    dbs = results["databases"]
+
+    ax = axes[0][0]
+    bars: list[tuple[str, dict[str, Any]]] = []
+    aps = results["reference"].get("apscheduler")
+    if aps:
+        bars.append(("APScheduler\n(ref)", aps))
+    for db, sc in dbs.items():
+        for run in sc.get("lateness", {}).get("runs", []):
+            workers = "" if run["settings"] else "\nMAX_W=16"
+            bars.append((f"{SHORT[db]} ×{run['instances']}{workers}", run))
+    labels = [label for label, _ in bars]
+    p50, p99, pmax = ([item[key] for _, item in bars] for key in ("p50_ms", "p99_ms", "max_ms"))
+    x = range(len(labels))
+    for offset, values, name in ((-0.27, p50, "p50"), (0, p99, "p99"), (0.27, pmax, "max")):
+        ax.bar([i + offset for i in x], values, width=0.27, label=name)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms")
+    ax.set_title("1. Lateness, 100 jobs every 1 s")
+    ax.legend(fontsize=8)
+
+    ax = axes[0][1]
+    for db, sc in dbs.items():
+        rows = sc.get("claims", {}).get("rows", [])
+        if not rows:
+            continue
+        clients = [r["clients"] for r in rows]
+        if db == "postgres":
+            ax.plot(clients, [r["pgbench_per_s"] for r in rows], "k--o", label="pgbench INSERT (ref)")
+        ax.plot(clients, [r["insert"]["per_s"] for r in rows], ":x", label=f"{DB_LABEL[db]} Python INSERT")
+        ax.plot(clients, [r["decide_1"]["per_s"] for r in rows], "-o", label=f"{DB_LABEL[db]} anarchon 1/tx")
+        ax.plot(clients, [r["decide_100"]["per_s"] for r in rows], "-s", label=f"{DB_LABEL[db]} anarchon 100/tx")
+    ax.set_yscale("log")
+    ax.set_xlabel("clients (instances)")
+    ax.set_ylabel("decisions / s")
+    ax.set_title("2. Claim throughput (won + lost)")
+    ax.legend(fontsize=6)
+
+    ax = axes[0][2]
+    labels, values = [], []
+    for db, sc in dbs.items():
+        for inst in sc.get("idle", {}).get("instances", []):
+            labels.append(f"{SHORT[db]}\n{inst['jobs']:,} jobs")
+            values.append(inst["queries_per_s"])
+    ax.bar(labels, values, color="tab:green")
+    ax.axhline(2, color="red", linestyle="--", label="target < 2")
+    ax.set_ylabel("statements / s")
+    ax.set_title("3. Idle cost per instance")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=8)
+
+    ax = axes[1][0]
+    labels, values = [], []
+    for db, sc in dbs.items():
+        pickup = sc.get("idle", {}).get("pickup")
+        if pickup:
+            labels.append(DB_LABEL[db])
+            values.append(pickup["p50_ms"])
+    if values:
+        ax.bar(labels, values, color="tab:purple")
+        ax.axhline(5000, color="gray", linestyle=":", label="POLL_INTERVAL (5 s)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    ax.set_ylabel("ms (p50)")
+    ax.set_title("3. Manual run pickup (run_now → handler start)")
+
+    ax = axes[1][1]
+    kills = [
+        (f"{SHORT[db]}\n{name.upper()}", sc["failover"][name])
+        for db, sc in dbs.items()
+        for name in ("sigkill", "sigterm")
+        if name in sc.get("failover", {})
+    ]
+    labels = [label for label, _ in kills]
+    med, mx, tgt = ([item[key] for _, item in kills] for key in ("median_s", "max_s", "target_s"))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], med, width=0.4, label="median")
+    ax.bar([i + 0.2 for i in x], mx, width=0.4, label="max")
+    ax.scatter(list(x), tgt, color="red", marker="_", s=600, label="target", zorder=3)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("s")
+    ax.set_title("4. Failover (signal → next attempt starts)")
+    ax.legend(fontsize=8)
+
+    ax = axes[1][2]
+    for sc in dbs.values():
+        rows = sc.get("scale", {}).get("in_process", [])
+        if rows:
+            n = [r["jobs"] for r in rows]
+            for kind, style in (("interval", "-o"), ("cron", "-s")):
+                ax.plot(
+                    n, [r["per_fire_us_by_kind"].get(kind, math.nan) for r in rows], style, label=f"per fire, {kind}"
+                )
+            ax.plot(n, [r["heap_op_us"] for r in rows], "-^", label="heap push+pop")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("declared jobs")
+    ax.set_ylabel("µs")
+    ax.set_title("5. Scheduling cost per fire")
+    ax.legend(fontsize=8)
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""One module per measured figure; each has ``run(ctx) -> dict`` (JSON-ready)."""

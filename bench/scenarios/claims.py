@@ -1,0 +1,110 @@
+"""2. Claim throughput: slot claims per second the cluster decides and records (won + lost).
+
+N closed-loop clients (separate processes, like N instances) race for the same sequence of
+(job, slot) claims through the engine's claim path (``bench_claims --mode decide``): batches
+of 1 (one job due per instant) and of 100 (100 jobs due at the same instant, one transaction,
+as the loop claims them). References at the same concurrency, in the same run: pgbench with a
+one-row INSERT ... ON CONFLICT on a primary key (PostgreSQL's commit-bound limit here), and
+the same one-row INSERT from N Python clients through Django (every database).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench.cluster import MANAGE, ROOT
+from bench.context import Context, reset_database
+from bench.dbconf import DB_NAME
+
+SCRIPT = ROOT / "bench" / "pgbench_claim.sql"
+JOBS = 1000
+
+
+def pgbench(clients: int, seconds: int) -> float:
+    """pgbench's transactions per second for the one-row claim INSERT at ``clients`` clients."""
+    reset_database()
+    host = os.environ.get("ANARCHON_BENCH_PG_HOST", "127.0.0.1")
+    user = os.environ.get("ANARCHON_BENCH_PG_USER", "postgres")
+    done = subprocess.run(
+        ["pgbench", "-h", host, "-U", user, "-n", "-c", str(clients), "-j", str(clients), "-T", str(seconds)]
+        + ["-f", str(SCRIPT), DB_NAME],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", done.stdout)
+    if found is None:
+        raise RuntimeError(f"could not read pgbench's output:\n{done.stdout}\n{done.stderr}")
+    return float(found.group(1))
+
+
+def clients(ctx: Context, mode: str, count: int, seconds: int, batch: int = 1) -> dict[str, Any]:
+    """Run ``count`` ``bench_claims`` clients at once; their summed counts and rates."""
+    reset_database()
+    start_at = time.time() + 1.5 + 0.4 * count  # every client has set Django up by then (see late_start_ms)
+    base = (int(time.time()) - 3600) * 1000
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings", "ANARCHON_BENCH_DB": ctx.db}
+    env.pop("ANARCHON_BENCH_JOBS", None)
+    env.pop("ANARCHON_BENCH_PROBE", None)
+    command = [sys.executable, str(MANAGE), "bench_claims", "--mode", mode, "--batch", str(batch)]
+    command += ["--jobs", str(JOBS), "--base", str(base), "--start-at", str(start_at), "--seconds", str(seconds)]
+    processes = [
+        subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(count)
+    ]
+    totals: dict[str, int] = {}
+    for process in processes:
+        out, err = process.communicate(timeout=seconds + 120)
+        if process.returncode != 0:
+            raise RuntimeError(f"bench_claims failed:\n{err[-3000:]}")
+        for key, value in json.loads(out.strip().splitlines()[-1]).items():
+            combine = max if key == "late_start_ms" else sum
+            totals[key] = combine((totals.get(key, 0), value))
+    late = time.time() - (start_at + seconds)
+    return {
+        "clients": count,
+        "batch": batch,
+        "seconds": seconds,
+        "per_s": round(totals["decisions"] / seconds, 1),
+        "won_per_s": round(totals["won"] / seconds, 1),
+        "transactions_per_s": round(totals["transactions"] / seconds, 1),
+        "overrun_s": round(late, 2),
+        **totals,
+    }
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    seconds = 4 if ctx.quick else (8 if ctx.primary else 5)
+    rows = []
+    for count in (2, 4, 8):
+        row: dict[str, Any] = {"clients": count}
+        if ctx.db == "postgres":
+            ctx.log(f"claims: pgbench -c {count}")
+            row["pgbench_per_s"] = round(pgbench(count, seconds), 1)
+        ctx.log(f"claims: one-row INSERT from {count} Python clients")
+        row["insert"] = clients(ctx, "insert", count, seconds)
+        for batch in (1, 100):
+            ctx.log(f"claims: store.decide, {count} clients, {batch} claim(s) per transaction")
+            row[f"decide_{batch}"] = clients(ctx, "decide", count, seconds, batch)
+        reference = row.get("pgbench_per_s") or row["insert"]["per_s"]
+        for batch in (1, 100):
+            row[f"ratio_{batch}"] = round(row[f"decide_{batch}"]["per_s"] / reference, 3)
+        row["ratio_insert_1"] = round(row["decide_1"]["per_s"] / row["insert"]["per_s"], 3)
+        ctx.log(
+            "  reference {:.0f}/s, decide x1 {:.0f}/s, decide x100 {:.0f}/s".format(
+                reference, row["decide_1"]["per_s"], row["decide_100"]["per_s"]
+            )
+        )
+        rows.append(row)
+    return {
+        "jobs": JOBS,
+        "seconds": seconds,
+        "reference": "pgbench" if ctx.db == "postgres" else "insert",
+        "rows": rows,
+    }

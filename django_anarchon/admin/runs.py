@@ -1,0 +1,91 @@
+"""The run history: read-only, newest first, errors and data shown escaped."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.utils.html import format_html
+from django.utils.text import Truncator
+from django.utils.translation import gettext_lazy as _
+
+from ..models import Run
+from .display import ReadOnlyAdmin, format_seconds, moment_column, pretty_json, status_badge
+
+
+@admin.register(Run)
+class RunAdmin(ReadOnlyAdmin):
+    """The run history: one row per attempt, newest first."""
+
+    list_display = [
+        "job",
+        "scheduled",
+        "attempt",
+        "reason",
+        "status_badge",
+        "instance_id",
+        "started",
+        "duration_display",
+        "short_error",
+    ]
+    list_filter = ["status", "job", "reason"]
+    search_fields = ["job", "instance_id", "error_message"]
+    date_hierarchy = "scheduled_at"
+    ordering = ["-scheduled_at", "-attempt"]
+    list_per_page = 50
+    show_full_result_count = False  # COUNT(*) over a long history is slow on PostgreSQL
+    fieldsets = [
+        (None, {"fields": ["job", "status_badge", "reason", "manual", "scheduled", "slot", "attempt"]}),
+        (
+            _("Execution"),
+            {
+                "fields": [
+                    "instance_id",
+                    "created",
+                    "started",
+                    "finished",
+                    "duration_display",
+                    "lease_expires",
+                    "detail",
+                ]
+            },
+        ),
+        (_("Error"), {"fields": ["error_type", "error_message", "traceback_display"]}),
+        (_("Data"), {"fields": ["data_display", "progress_display"]}),
+    ]
+
+    scheduled = moment_column("scheduled_at", _("scheduled at"))
+    created = moment_column("created_at", _("created at"))
+    started = moment_column("started_at", _("started at"))
+    finished = moment_column("finished_at", _("finished at"))
+    lease_expires = moment_column("lease_expires_at", _("lease expires at"))
+
+    @admin.display(description=_("status"), ordering="status")
+    def status_badge(self, run: Run) -> str:
+        """The status as a coloured badge."""
+        return status_badge(run.status)
+
+    @admin.display(description=_("duration"))
+    def duration_display(self, run: Run) -> str:
+        """How long the attempt ran."""
+        duration = run.duration
+        return format_seconds(duration.total_seconds()) if duration is not None else self.get_empty_value_display()
+
+    @admin.display(description=_("error"))
+    def short_error(self, run: Run) -> str:
+        """The error type and message, shortened to one line."""
+        text = ": ".join(part for part in (run.error_type, run.error_message) if part)
+        return Truncator(" ".join(text.split())).chars(80)
+
+    @admin.display(description=_("traceback"))
+    def traceback_display(self, run: Run) -> str:
+        """The traceback, escaped, in a <pre> block."""
+        return format_html("<pre>{}</pre>", run.traceback) if run.traceback else self.get_empty_value_display()
+
+    @admin.display(description=_("data"))
+    def data_display(self, run: Run) -> str:
+        """The run's data as indented JSON."""
+        return pretty_json(run.data) if run.data is not None else self.get_empty_value_display()
+
+    @admin.display(description=_("progress"))
+    def progress_display(self, run: Run) -> str:
+        """The progress last saved by the handler, as indented JSON."""
+        return pretty_json(run.progress) if run.progress is not None else self.get_empty_value_display()

@@ -1,0 +1,76 @@
+"""The context every handler receives as its one argument."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from .signal import AbortSignal
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a handler knows about the run it is executing.
+
+    ``slot`` is the idempotency key: it is the same on every instance and every
+    attempt of the run.
+    """
+
+    name: str
+    slot: int
+    scheduled_at: datetime
+    instance_id: str
+    attempt: int
+    reason: str
+    manual: bool
+    signal: AbortSignal
+    data: Any
+    progress: Any = None
+    _save: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep, but raise the signal's reason as soon as it aborts."""
+        if self.signal.wait(seconds):
+            self.signal.throw_if_aborted()
+
+    async def asleep(self, seconds: float) -> None:
+        """The asyncio twin of :meth:`sleep`."""
+        if await self.signal.wait_async(seconds):
+            self.signal.throw_if_aborted()
+
+    def save_progress(self, value: Any) -> None:
+        """Store ``value`` (JSON) with the run for the next attempt; renews the lease.
+
+        Raises ``Interrupted`` if the run is no longer this instance's to write
+        (its lease was lost, or it timed out); after ``stop()`` it still saves,
+        so a handler can leave its note on the way out. In an ``async def``
+        handler it works too, but blocks the event loop for the write:
+        :meth:`asave_progress` does not.
+        """
+        if self._save is None:
+            raise RuntimeError("save_progress() is only available inside a run")
+        if _event_loop_running():
+            # Django refuses synchronous queries on a thread that runs an event
+            # loop: write from a helper thread and wait for it.
+            with ThreadPoolExecutor(1, thread_name_prefix="anarchon-progress") as pool:
+                pool.submit(self._save, value).result()
+        else:
+            self._save(value)
+        object.__setattr__(self, "progress", value)
+
+    async def asave_progress(self, value: Any) -> None:
+        """The asyncio twin of :meth:`save_progress` (runs the write in a thread)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.save_progress, value)
+
+
+def _event_loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -1,0 +1,622 @@
+"""The running scheduler: the loop, the lease keeper, the watchdog and the listener.
+
+Four threads; the ones that query have their own database connection:
+
+* the **loop** sleeps until the next due slot (a heap keyed by slot time, so a
+  turn costs O(log n) in the number of jobs), claims every slot due at that
+  instant in one transaction, and every ``POLL_INTERVAL`` looks for pending
+  runs and expired leases (PostgreSQL wakes it at once via LISTEN/NOTIFY);
+* the **keeper** renews the leases of every run this process holds in one
+  UPDATE;
+* the **watchdog** never touches the database: it ends runs that passed their
+  timeout and fences runs whose lease could not be renewed in time (see
+  :meth:`Engine._fence_overdue`), even while a renewal hangs;
+* the **listener** (PostgreSQL with psycopg >= 3.2 only) waits on NOTIFY.
+
+A database error never stops any of them: it is logged once, the connection
+is dropped, and the thread retries with backoff. No query lives here; they
+are all in :mod:`store`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, connections
+
+from . import signals, store
+from .conf import AnarchonSettings
+from .exceptions import Interrupted
+from .keeper import Keeper
+from .listener import Listener
+from .models import Run, Status
+from .recorder import Recorder
+from .registry import Job
+from .runner import ActiveRun, Runner, describe_loss, log_fields
+from .timing import Clock, DuePlan, plan_due
+
+logger = logging.getLogger("django_anarchon")
+T = TypeVar("T")
+_FAILED: Any = object()
+BUSY_RETRY_MS = 20
+
+
+class Engine:
+    """One running scheduler instance. Created by :meth:`Scheduler.start`."""
+
+    def __init__(
+        self,
+        jobs: Iterable[Job],
+        settings: AnarchonSettings,
+        *,
+        instance_id: str | None = None,
+        clock: Clock | None = None,
+        schedule_jobs: bool = True,
+    ) -> None:
+        self.jobs: dict[str, Job] = {job.name: job for job in jobs}
+        self.settings = settings
+        self.clock = clock or Clock()
+        self.token = uuid.uuid4().hex
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.instance_id = instance_id or settings.instance_id or f"{self.host}:{self.pid}:{self.token[:4]}"
+        self.schedule_jobs = schedule_jobs
+        self.runner = Runner(self)
+        self.recorder = Recorder(self)
+        self.keeper = Keeper(self)
+        self.listener = Listener(self)
+        self.grace_ms = int(max(2 * settings.poll_interval, 0.5) * 1000)
+
+        self._active: dict[int, ActiveRun] = {}
+        self._active_lock = threading.Lock()
+        # (wake time ms, entry number, job): a job's entry number changes whenever it is
+        # pushed again, so an older entry still in the heap is recognised and dropped.
+        self._heap: list[tuple[int, int, str]] = []
+        # Entries due at their exact time, without claiming ahead (a busy job's slot).
+        self._exact: list[tuple[int, int, str]] = []
+        self._entry: dict[str, int] = {}
+        self._entries = itertools.count()
+        self._next_slot: dict[str, int] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._started = threading.Event()
+        self._poll_requested = True
+        self._waiting_jobs: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
+        self._backoff = 0.0
+        self._turn_failed = False
+        self._db_down_since: float | None = None
+        self._warned: set[str] = set()
+        self._next_prune = 0.0  # the first housekeeping turn prunes, then hourly
+        self._claim_ms = 20.0  # how long claiming transactions take here: recent highs, decaying
+        self.claim_ahead_ms = 20
+        self._clock_samples: list[tuple[float, float]] = []  # (round trip ms, offset ms)
+        self.stopped = threading.Event()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        for name, target in (
+            ("loop", self._run_loop),
+            ("keeper", self.keeper.run_renewals),
+            ("watchdog", self.keeper.run_watchdog),
+        ):
+            if name == "loop" and not self.schedule_jobs:
+                continue
+            thread = threading.Thread(target=target, name=f"anarchon-{name}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        if self.schedule_jobs and self.listener.available():
+            thread = threading.Thread(target=self.listener.run, name="anarchon-listener", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop claiming, abort running handlers, wait for them, hand over the rest.
+
+        Returns True if every handler ended within the grace period.
+        """
+        grace = self.settings.shutdown_grace if timeout is None else timeout
+        deadline = time.monotonic() + grace
+        self._stopping.set()
+        self._wake.set()
+        for thread in self._threads:
+            if thread.name == "anarchon-loop":
+                thread.join(max(0.0, deadline - time.monotonic()))
+        reason = Interrupted(
+            f"the scheduler on {self.instance_id} is stopping (stop(), SIGTERM or SIGINT); "
+            "raise to hand the run over, return if it is done"
+        )
+        for active in self.active_runs():
+            active.abort("stop", reason)
+        for active in self.active_runs():
+            active.finished.wait(max(0.0, deadline - time.monotonic()))
+        clean = True
+        for active in self.active_runs():
+            if active.state == "running" and active.begin_finish():
+                clean = False
+                logger.warning(
+                    "Handler of %s slot=%s did not end within the %.1fs grace period; handing the run over",
+                    active.run.job,
+                    active.run.slot,
+                    grace,
+                    extra={"job": active.run.job},
+                )
+                try:
+                    self.runner.hand_over(active, None)
+                finally:
+                    active.done()
+        # Runs that are still recording their end get a moment to do so.
+        for active in self.active_runs():
+            if active.state == "finishing":
+                active.finished.wait(max(0.0, min(2.0, deadline + 2.0 - time.monotonic())))
+        self.keeper.stop()
+        for thread in self._threads:
+            thread.join(2.0)
+        self.recorder.stop()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self.schedule_jobs:
+            self._db(store.unregister_instance, self.token)
+        connections.close_all()
+        self.stopped.set()
+        logger.info("Scheduler %s stopped", self.instance_id, extra={"instance": self.instance_id})
+        return clean
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        return self._started.wait(timeout)
+
+    def request_poll(self) -> None:
+        """Poll at the next loop turn (a NOTIFY arrived, or a run of a waiting job ended)."""
+        self._poll_requested = True
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Wake the loop (a run ended: its job and a worker are free)."""
+        self._wake.set()
+
+    def wait_stopping(self, seconds: float) -> bool:
+        return self._stopping.wait(seconds)
+
+    def active_run(self, run_id: int | None) -> ActiveRun | None:
+        with self._active_lock:
+            return self._active.get(run_id)  # type: ignore[arg-type]
+
+    def active_runs(self) -> list[ActiveRun]:
+        with self._active_lock:
+            return list(self._active.values())
+
+    def _draw_claim_ahead(self) -> None:
+        """How far ahead of a slot to claim it this turn: about twice the recent claim time, 10 to 200 ms.
+
+        Jittered per turn, so that the instance with the slowest claims (the one
+        that has been winning) does not always wake first and win again.
+        """
+        self.claim_ahead_ms = int(min(200.0, max(10.0, 2 * self._claim_ms)) * random.uniform(0.6, 1.0))  # noqa: S311
+
+    def capacity(self) -> int:
+        with self._active_lock:
+            return self.settings.max_workers - len(self._active)
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop async handlers run on, started on first use."""
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="anarchon-asyncio", daemon=True)
+                thread.start()
+                self._loop = loop
+            return self._loop
+
+    # -- database access with backoff ------------------------------------------------
+
+    def reset_connection(self) -> None:
+        """Drop this thread's connection so that the next query reconnects."""
+        connection = connections[store.alias()]
+        try:
+            connection.close()
+        except Exception:
+            connection.connection = None
+
+    def _db(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call a store function; on a database error log it, reset and return ``_FAILED``.
+
+        An outage is logged once when it starts and once when a whole loop turn
+        ran without a database error again (:meth:`_end_turn`), not per retry.
+        """
+        try:
+            return function(*args, **kwargs)
+        except DatabaseError as error:
+            self.reset_connection()
+            self._turn_failed = True
+            if self._db_down_since is None:
+                self._db_down_since = time.monotonic()
+                logger.warning(
+                    "Database error on %s (%s: %s); retrying with backoff",
+                    self.instance_id,
+                    type(error).__name__,
+                    error,
+                    extra={"instance": self.instance_id},
+                )
+            return _FAILED  # type: ignore[no-any-return]
+
+    def _end_turn(self) -> None:
+        if self._turn_failed:
+            self._backoff = min(max(0.1, self._backoff * 2), 5.0) * random.uniform(0.8, 1.2)  # noqa: S311
+        else:
+            if self._db_down_since is not None:
+                logger.warning(
+                    "Database is back on %s after %.1fs",
+                    self.instance_id,
+                    time.monotonic() - self._db_down_since,
+                    extra={"instance": self.instance_id},
+                )
+                self._db_down_since = None
+            self._backoff = 0.0
+        self._turn_failed = False
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                ready = self._startup()
+                self._end_turn()
+                if ready:
+                    break
+                self._stopping.wait(max(self._backoff, 0.1))
+            self._started.set()
+            next_poll = next_house = time.monotonic()
+            while not self._stopping.is_set():
+                try:
+                    self._draw_claim_ahead()
+                    self.keeper.fence_overdue()
+                    if self._backoff:
+                        self._stopping.wait(self._backoff)
+                        if self._stopping.is_set():
+                            break
+                    # At capacity, due slots wait here (not in the database) until a run
+                    # ends and wakes the loop; other instances may take them meanwhile.
+                    room = self.capacity() > 0
+                    if room and self._due(self.clock.now_ms()):
+                        self._dispatch_due()
+                    mono = time.monotonic()
+                    if mono >= next_poll or self._poll_requested:
+                        self._poll_requested = False
+                        self._poll()
+                        next_poll = time.monotonic() + self.settings.poll_interval
+                    if mono >= next_house:
+                        self._housekeeping()
+                        next_house = time.monotonic() + self._heartbeat_every()
+                    wait = min(next_poll, next_house) - time.monotonic()
+                    if self.capacity() > 0:
+                        now_ms = self.clock.now_ms()
+                        if self._heap:
+                            wait = min(wait, (self._heap[0][0] - self.claim_ahead_ms - now_ms) / 1000)
+                        if self._exact:
+                            wait = min(wait, (self._exact[0][0] - now_ms) / 1000)
+                    self._end_turn()
+                    if wait > 0 and not self._poll_requested:
+                        self._wake.wait(wait)
+                    self._wake.clear()
+                except Exception:
+                    logger.exception("Unexpected error in the scheduler loop; carrying on")
+                    self._stopping.wait(1.0)
+        finally:
+            connections.close_all()
+
+    def _heartbeat_every(self) -> float:
+        return min(10.0, max(self.settings.lease_ttl / 3, self.settings.poll_interval))
+
+    def _startup(self) -> bool:
+        if self._db(store.ensure_jobs, self.jobs.values()) is _FAILED:
+            return False
+        if self._db(store.register_instance, self.token, self.instance_id, self.host, self.pid) is _FAILED:
+            return False
+        self._measure_clock(samples=3)
+        now = self.clock.now_ms()
+        catch_ups = []
+        for job in self.jobs.values():
+            until = job.schedule.latest_at_or_before(now - self.grace_ms)
+            if until is not None:
+                catch_ups.append(store.CatchUp(job, until))
+        for start in range(0, len(catch_ups), 500):
+            outcome = self._decide([], catch_ups[start : start + 500])
+            if outcome is _FAILED:
+                return False
+        self._heap = []
+        for job in self.jobs.values():
+            slot = job.schedule.next_after(now - self.grace_ms - 1)
+            self._next_slot[job.name] = slot
+            self._entry[job.name] = entry = next(self._entries)
+            self._heap.append((slot, entry, job.name))
+        heapq.heapify(self._heap)
+        logger.info(
+            "Scheduler %s started with %d job(s) (host %s, pid %d)",
+            self.instance_id,
+            len(self.jobs),
+            self.host,
+            self.pid,
+            extra={"instance": self.instance_id},
+        )
+        return True
+
+    def _measure_clock(self, samples: int = 1) -> None:
+        """Align slot timing to the database clock, so that a skewed host still fires on time.
+
+        Estimated like NTP: of the recent samples, the one with the shortest round
+        trip; its offset is shrunk toward zero by its uncertainty (half the round
+        trip, plus a millisecond), so that measurement noise on a host whose clock
+        agrees with the database's never makes a handler start early.
+        """
+        if connections[store.alias()].vendor == "sqlite":
+            return  # the same host's clock
+        for _ in range(samples):
+            before = time.time()
+            value = self._db(store.database_time)
+            after = time.time()
+            if value is _FAILED:
+                return
+            self._clock_samples.append(((after - before) * 1000, value.timestamp() * 1000 - (before + after) * 500))
+        del self._clock_samples[:-8]
+        rtt, offset = min(self._clock_samples)
+        uncertainty = rtt / 2 + 1.0
+        self.clock.offset_ms = math.copysign(max(0.0, abs(offset) - uncertainty), offset)
+        if abs(self.clock.offset_ms) > 1000 and "skew" not in self._warned:
+            self._warned.add("skew")
+            logger.warning(
+                "This host's clock is %.1fs off the database's; slots follow the database clock",
+                self.clock.offset_ms / 1000,
+                extra={"instance": self.instance_id},
+            )
+
+    def _dispatch_due(self) -> None:
+        now = self.clock.now_ms()
+        # Claim a little ahead of the slot, so that the database round trips are
+        # done by the time it is due; the run's worker starts the handler at the
+        # slot itself, never before (Runner._execute).
+        horizon = now + self.claim_ahead_ms
+        claims: list[store.Claim] = []
+        catch_ups: list[store.CatchUp] = []
+        previous: dict[str, int] = {}
+        while self._due(now):
+            if self._exact and self._exact[0][0] <= now:
+                _, entry, name = heapq.heappop(self._exact)
+            else:
+                _, entry, name = heapq.heappop(self._heap)
+            if self._entry[name] != entry:
+                continue  # superseded by a later push
+            job = self.jobs[name]
+            slot = self._next_slot[name]
+            plan = plan_due(job.schedule, slot, horizon, self.grace_ms)
+            if plan.catch_up_until is not None:
+                catch_ups.append(store.CatchUp(job, plan.catch_up_until))
+            if plan.claim is not None:
+                claims.append(store.Claim(job, plan.claim))
+            previous[name] = slot
+            self._next_slot[name] = plan.next_slot
+            self._push(plan.next_slot, name)
+        outcome = self._decide(claims, catch_ups, skip_locked=True, now_ms=now)
+        if outcome is _FAILED:
+            retry = now + max(int(self._backoff * 1000), 50)
+            for name, slot in previous.items():
+                self._reschedule(name, slot, retry)
+            return
+        if outcome.busy:
+            # Another instance holds these jobs, almost always deciding these very
+            # slots. Look again once such a claim has had time to commit; the retry
+            # starts with decide()'s unlocked read, which then usually settles it
+            # without a transaction. Retrying sooner only takes CPU from the holder.
+            retry = now + int(max(BUSY_RETRY_MS, 1.5 * self._claim_ms) * random.uniform(1.0, 1.3))  # noqa: S311
+            for name in outcome.busy:
+                self._reschedule(name, previous[name], retry)
+        for claim in outcome.early:
+            # Claimed ahead while the job's previous run still ran: decide at the slot.
+            name = claim.job.name
+            self._next_slot[name] = min(claim.slot, self._next_slot[name])
+            self._entry[name] = entry = next(self._entries)
+            heapq.heappush(self._exact, (claim.slot, entry, name))
+        if outcome.deferred:
+            # No room for these here: they stay due and are retried as soon as a run ends.
+            for claim in outcome.deferred:
+                self._reschedule(claim.job.name, min(claim.slot, previous.get(claim.job.name, claim.slot)), now)
+
+    def _reschedule(self, name: str, slot: int, at_ms: int) -> None:
+        """Try ``slot`` of job ``name`` again at ``at_ms`` (it was not decided)."""
+        self._next_slot[name] = min(slot, self._next_slot[name])
+        self._push(at_ms, name)
+
+    def _due(self, now_ms: int) -> bool:
+        """Whether a heap entry is within the claim-ahead margin, or an exact one has come."""
+        if self._heap and self._heap[0][0] <= now_ms + self.claim_ahead_ms:
+            return True
+        return bool(self._exact) and self._exact[0][0] <= now_ms
+
+    def _push(self, at_ms: int, name: str) -> None:
+        self._entry[name] = entry = next(self._entries)
+        heapq.heappush(self._heap, (at_ms, entry, name))
+
+    def _decide(
+        self,
+        claims: list[store.Claim],
+        catch_ups: list[store.CatchUp],
+        skip_locked: bool = False,
+        now_ms: int | None = None,
+    ) -> Any:
+        if not claims and not catch_ups:
+            return store.Outcome()
+        sent = time.monotonic()
+        outcome = self._db(
+            store.decide,
+            claims,
+            catch_ups,
+            owner=self.token,
+            instance_id=self.instance_id,
+            ttl=self.settings.lease_ttl,
+            capacity=self.capacity(),
+            default_data=self.settings.data,
+            skip_locked=skip_locked,
+            now_ms=now_ms,
+        )
+        if outcome is _FAILED:
+            return outcome
+        if outcome.won or outcome.skipped or outcome.missed:
+            # Only claims that wrote rows say how long claiming takes (one that found
+            # everything decided is quick). Rise at once, decay slowly: a large batch
+            # must not be claimed late because small ones came before it.
+            took = (time.monotonic() - sent) * 1000
+            self._claim_ms = took if took > self._claim_ms else 0.98 * self._claim_ms + 0.02 * took
+        self._handle(outcome, sent)
+        return outcome
+
+    def _handle(self, outcome: store.Outcome, sent: float) -> None:
+        for row in outcome.interrupted:
+            signals.send(signals.run_interrupted, run=row, exception=None)
+            self.keeper.lose_local(row.id, f"it was {describe_loss(row)}")
+        for row in outcome.skipped:
+            logger.info(
+                "Run skipped: %s slot=%s (%s)",
+                row.job,
+                row.slot,
+                row.detail,
+                extra={"job": row.job, "slot": row.slot, "instance": self.instance_id},
+            )
+            signals.send(signals.run_skipped, run=row)
+        for row in outcome.won:
+            self.adopt(row, sent)
+
+    def adopt(self, run: Run, sent: float) -> ActiveRun | None:
+        """Start executing a run this process has just won (claimed at monotonic ``sent``).
+
+        A claim that took long to commit (a locked SQLite file, a slow server)
+        is renewed once first: fencing counts from when the claim was sent, so
+        its handler would otherwise be aborted on arrival. If that renewal does
+        not commit, the handler is not started and the run is left to expire.
+        """
+        if time.monotonic() - sent > self.settings.fence_after / 2:
+            fresh = time.monotonic()
+            renewed = self._db(store.renew, [run.id], owner=self.token, ttl=self.settings.lease_ttl)
+            if renewed is _FAILED or run.id not in renewed[0]:
+                logger.warning(
+                    "Claim of %s slot=%s committed too late to run safely; leaving it to a backup",
+                    run.job,
+                    run.slot,
+                    extra=log_fields(run, self.instance_id),
+                )
+                return None
+            sent = fresh
+        active = ActiveRun(run, self.jobs[run.job], renewed_at=sent)
+        with self._active_lock:
+            self._active[run.id] = active  # type: ignore[index]
+        self.keeper.wake()
+        self.runner.start(active)
+        return active
+
+    def watch(self) -> None:
+        """Have the watchdog look at the runs' deadlines again (one was just set)."""
+        self.keeper.watch_wake.set()
+
+    def run_exited(self, active: ActiveRun) -> None:
+        with self._active_lock:
+            self._active.pop(active.run.id, None)  # type: ignore[arg-type]
+        if active.run.job in self._waiting_jobs:
+            self._poll_requested = True
+        self._wake.set()
+
+    def _poll(self) -> None:
+        rows = self._db(store.poll)
+        if rows is _FAILED:
+            return
+        waiting: set[str] = set()
+        pending: list[Run] = []
+        for row in rows:
+            if row.job not in self.jobs:
+                if row.job not in self._warned:
+                    self._warned.add(row.job)
+                    logger.warning(
+                        "Run %s of job %r waits, but this instance does not declare that job",
+                        row.id,
+                        row.job,
+                        extra={"job": row.job, "instance": self.instance_id},
+                    )
+                continue
+            if row.status == Status.RUNNING:
+                self._take_over(row)
+            else:
+                waiting.add(row.job)
+                pending.append(row)
+        self._waiting_jobs = waiting
+        if pending and self.capacity() > 0:
+            sent = time.monotonic()
+            outcome = self._db(
+                store.claim_pending,
+                pending,
+                self.jobs,
+                owner=self.token,
+                instance_id=self.instance_id,
+                ttl=self.settings.lease_ttl,
+                capacity=self.capacity(),
+            )
+            if outcome is not _FAILED:
+                self._handle(outcome, sent)
+
+    def _take_over(self, row: Run) -> None:
+        self.keeper.fence_overdue()
+        sent = time.monotonic()
+        start = self.capacity() > 0
+        result = self._db(
+            store.take_over,
+            row,
+            owner=self.token,
+            instance_id=self.instance_id,
+            ttl=self.settings.lease_ttl,
+            start=start,
+        )
+        if result is _FAILED or result is None:
+            return
+        old, new = result
+        logger.warning(
+            "Took over %s slot=%s: attempt %d on %s stopped renewing its lease; attempt %d %s",
+            old.job,
+            old.slot,
+            old.attempt,
+            old.instance_id or "?",
+            new.attempt,
+            "starts here" if start else "is pending",
+            extra={"job": old.job, "slot": old.slot},
+        )
+        self.keeper.lose_local(old.id, "its lease expired and another attempt started")
+        signals.send(signals.run_interrupted, run=old, exception=None)
+        if new.status == Status.RUNNING:
+            self.adopt(new, sent)
+
+    def _housekeeping(self) -> None:
+        self._db(store.heartbeat, self.token, self.instance_id, self.host, self.pid)
+        self._measure_clock()
+        now = time.monotonic()
+        if now >= self._next_prune:
+            deleted = self._db(store.prune, self.settings.history_retention)
+            if deleted not in (_FAILED, 0):
+                logger.info("Pruned %d old run(s)", deleted, extra={"instance": self.instance_id})
+            self._next_prune = now + 3600
+
+
+__all__ = ["Clock", "DuePlan", "Engine", "plan_due"]

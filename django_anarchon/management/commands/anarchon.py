@@ -1,0 +1,159 @@
+"""``manage.py anarchon``: run the scheduler loop, list the jobs, or run one job now."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from argparse import ArgumentParser, ArgumentTypeError
+from datetime import datetime, timezone
+from typing import Any
+
+from django.core.checks import Tags
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
+
+from django_anarchon import scheduler
+from django_anarchon.exceptions import AnarchonError
+
+
+def _instance_id(value: str) -> str:
+    if not value.strip() or len(value) > 200:
+        raise ArgumentTypeError("must be a non-empty string of at most 200 characters")
+    return value
+
+
+def _json(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError as error:
+        raise ArgumentTypeError(f"is not valid JSON ({error})") from None
+
+
+class Command(BaseCommand):
+    help = (
+        "Run the django-anarchon scheduler until SIGTERM or SIGINT (a second SIGINT exits at once). "
+        "Run it on every instance of the project: exactly one instance wins each scheduled run."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("--instance-id", type=_instance_id, help="Name this instance (default: host:pid:random).")
+        action = parser.add_mutually_exclusive_group()
+        action.add_argument("--list", action="store_true", help="List the jobs, their schedules and next due times.")
+        action.add_argument("--run", metavar="NAME", help="Run job NAME once in the foreground (reason 'manual').")
+        parser.add_argument("--data", type=_json, help="JSON data for --run (becomes ctx.data).")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        self._configure_logging(options["verbosity"])
+        if options["list"]:
+            self._list()
+            return
+        from django_anarchon import store
+
+        # Checks that need the database (e.g. the MySQL session time zone) run only on request.
+        # An instance started during a database outage does not crash: it says so and the
+        # scheduler retries until the database is back (those checks run on the next start).
+        try:
+            self.check(databases=[store.alias()], tags=[Tags.database])
+        except DatabaseError as error:
+            logging.getLogger("django_anarchon").warning(
+                "Database unreachable at start (%s); skipped the checks that need it, retrying", error
+            )
+        if options["run"]:
+            self._run_one(options["run"], options["data"], options["instance_id"])
+            return
+        if options["data"] is not None:
+            raise CommandError("--data only applies to --run")
+        self._serve(options["instance_id"])
+
+    def _configure_logging(self, verbosity: int) -> None:
+        logger = logging.getLogger("django_anarchon")
+        if logger.hasHandlers() and any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            return
+        if logging.getLogger().handlers:
+            logger.setLevel(logging.INFO if verbosity else logging.WARNING)
+            return
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel({0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG))
+
+    def _list(self) -> None:
+        jobs = scheduler.jobs
+        if not jobs:
+            self.stdout.write("No jobs are declared. Add a jobs.py to an installed app.")
+            return
+        now = int(datetime.now(timezone.utc).timestamp() * 1000)
+        paused = self._paused_names()
+        width = max(len(j.name) for j in jobs)
+        for job in jobs:
+            due = datetime.fromtimestamp(job.schedule.next_after(now) / 1000, tz=timezone.utc)
+            tz = getattr(job.schedule, "tz", None)
+            local = f" ({due.astimezone(tz):%Y-%m-%d %H:%M:%S %Z})" if tz is not None else ""
+            flags = [f"overlap={job.overlap}", f"catch_up={job.catch_up}"]
+            if job.timeout_ms:
+                flags.append(f"timeout={job.timeout_ms / 1000:g}s")
+            if job.name in paused:
+                flags.append("PAUSED")
+            self.stdout.write(
+                f"{job.name:<{width}}  {job.schedule.describe():<32}  next {due:%Y-%m-%d %H:%M:%S} UTC{local}  "
+                + " ".join(flags)
+            )
+
+    def _paused_names(self) -> set[str]:
+        from django_anarchon.models import JobState
+
+        try:
+            return set(JobState.objects.filter(paused=True).values_list("name", flat=True))
+        except DatabaseError:
+            return set()
+
+    def _run_one(self, name: str, data: Any, instance_id: str | None) -> None:
+        try:
+            run = scheduler.run_once(name, data, instance_id=instance_id)
+        except AnarchonError as error:
+            raise CommandError(str(error)) from None
+        self.stdout.write(f"{run.job} slot={run.slot} attempt={run.attempt}: {run.status}")
+        if run.status != "success":
+            raise CommandError(f"the run ended {run.status}: {run.error_type}: {run.error_message}".rstrip(": "))
+
+    def _serve(self, instance_id: str | None) -> None:
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if signum == signal.SIGINT and stop.is_set():
+                os._exit(130)  # a second Ctrl-C: leave now, leases expire on their own
+            stop.set()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            try:
+                scheduler.start(instance_id=instance_id)
+            except AnarchonError as error:
+                raise CommandError(str(error)) from None
+            while not stop.wait(1.0):
+                pass
+            log = logging.getLogger("django_anarchon")
+            log.info("Stopping: handlers get their grace period")
+            if not scheduler.stop():
+                # A handler that ignored its signal was handed over and may run
+                # again elsewhere already; it must not go on here. Its thread may
+                # be one Python waits for at exit (an executor's, an async
+                # handler's sync_to_async), so leave without waiting.
+                log.warning("Exiting without waiting for handlers that did not end within the grace period")
+                _flush_and_exit(0)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _flush_and_exit(code: int) -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe must not keep us here
+            stream.flush()
+    os._exit(code)

@@ -1,0 +1,180 @@
+"""Run history, per-job state and live instances.
+
+Ownership of a run is decided by these tables only: the unique constraint on
+(job, slot, attempt) and conditional UPDATEs on the lease columns, judged by the
+database clock. The ``store`` package holds every query that depends on them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import models
+from django.utils.translation import gettext_lazy as _
+
+
+class Status(models.TextChoices):
+    """Where a run stands. ``pending`` and ``running`` are the only non-final states."""
+
+    PENDING = "pending", _("pending")
+    RUNNING = "running", _("running")
+    SUCCESS = "success", _("success")
+    FAILED = "failed", _("failed")
+    INTERRUPTED = "interrupted", _("interrupted")
+    SKIPPED = "skipped", _("skipped")
+    MISSED = "missed", _("missed")
+
+
+FINAL_STATUSES = (Status.SUCCESS, Status.FAILED, Status.INTERRUPTED, Status.SKIPPED, Status.MISSED)
+
+
+class Reason(models.TextChoices):
+    """Why a run started."""
+
+    SCHEDULED = "scheduled", _("scheduled")
+    MANUAL = "manual", _("manual")
+    CATCH_UP = "catch-up", _("catch-up")
+    TAKEOVER = "takeover", _("takeover")
+
+
+class RunQuerySet(models.QuerySet["Run"]):
+    def active(self) -> RunQuerySet:
+        """Runs that hold their job: running, or handed over and waiting for the next attempt."""
+        return self.filter(models.Q(status=Status.RUNNING) | models.Q(status=Status.PENDING, attempt__gt=1))
+
+    def finished(self) -> RunQuerySet:
+        return self.filter(status__in=FINAL_STATUSES)
+
+
+class Run(models.Model):
+    """One attempt of one run of a job: the claim, the lease and the outcome."""
+
+    job = models.CharField(_("job"), max_length=200)
+    slot = models.BigIntegerField(_("slot"), help_text=_("Scheduled time in milliseconds since 1970 (UTC)."))
+    attempt = models.PositiveIntegerField(_("attempt"), default=1)
+    status = models.CharField(_("status"), max_length=16, choices=Status.choices)
+    reason = models.CharField(_("reason"), max_length=16, choices=Reason.choices)
+    manual = models.BooleanField(_("manual"), default=False)
+    scheduled_at = models.DateTimeField(_("scheduled at"))
+    instance_id = models.CharField(_("instance"), max_length=200, blank=True)
+    # The per-process token of the runner holding the lease; private.
+    owner = models.CharField(max_length=32, blank=True, editable=False)
+    lease_expires_at = models.DateTimeField(_("lease expires at"), null=True, blank=True)
+    created_at = models.DateTimeField(_("created at"), null=True, blank=True)
+    started_at = models.DateTimeField(_("started at"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
+    data = models.JSONField(_("data"), null=True, blank=True)
+    progress = models.JSONField(_("progress"), null=True, blank=True)
+    error_type = models.CharField(_("error type"), max_length=255, blank=True)
+    error_message = models.TextField(_("error message"), blank=True)
+    traceback = models.TextField(_("traceback"), blank=True)
+    detail = models.TextField(_("detail"), blank=True)
+
+    objects = RunQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("run")
+        verbose_name_plural = _("runs")
+        constraints = [
+            models.UniqueConstraint(fields=["job", "slot", "attempt"], name="anarchon_one_winner_per_attempt"),
+        ]
+        indexes = [
+            models.Index(fields=["status", "lease_expires_at"], name="anarchon_run_status_lease"),
+            models.Index(fields=["job", "status"], name="anarchon_run_job_status"),
+            models.Index(fields=["scheduled_at"], name="anarchon_run_scheduled"),
+            models.Index(fields=["finished_at"], name="anarchon_run_finished"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job} @ {self.scheduled_at:%Y-%m-%d %H:%M:%S} #{self.attempt} ({self.status})"
+
+    @property
+    def duration(self) -> timedelta | None:
+        """How long the attempt ran (None until it has started and finished)."""
+        if self.started_at and self.finished_at:
+            return self.finished_at - self.started_at
+        return None
+
+
+class JobState(models.Model):
+    """The cluster-wide state of a job: paused or not, missed slots; one row per job name."""
+
+    name = models.CharField(_("name"), max_length=200, primary_key=True)
+    schedule = models.CharField(_("schedule"), max_length=300, blank=True)
+    paused = models.BooleanField(_("paused"), default=False)
+    pause_note = models.TextField(_("pause note"), blank=True)
+    paused_at = models.DateTimeField(_("paused at"), null=True, blank=True)
+    resumed_at = models.DateTimeField(_("resumed at"), null=True, blank=True)
+    missed_count = models.PositiveBigIntegerField(_("missed slots"), default=0)
+    # Bumped by every claim so that the UPDATE takes the job's row lock (on
+    # SQLite: the database write lock) before anything is read.
+    lock_seq = models.BigIntegerField(default=0, editable=False)
+    first_seen = models.DateTimeField(_("first seen"), null=True, blank=True)
+    # The newest scheduled (not manual) slot among the runs that history pruning
+    # deleted: catch-up counts from it when no run of the job is left on record.
+    pruned_slot = models.BigIntegerField(null=True, blank=True, editable=False)
+
+    class Meta:
+        verbose_name = _("job")
+        verbose_name_plural = _("jobs")
+        permissions = [
+            ("run_job", _("Can run a job now")),
+            ("pause_job", _("Can pause a job")),
+            ("resume_job", _("Can resume a job")),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def pause(self, note: str = "") -> bool:
+        """Pause the job cluster-wide with ``note``; False if it was already paused.
+
+        One conditional UPDATE (``paused`` is false) that stamps ``paused_at``
+        with the database clock. It takes the row lock that every claim takes
+        first, so no scheduled or catch-up slot decided after it commits runs
+        (manual runs still do).
+        """
+        from .store import DbNow
+
+        return self._transition(paused=False, values={"paused": True, "pause_note": note, "paused_at": DbNow()})
+
+    def resume(self) -> bool:
+        """Resume a paused job; False if it was not paused.
+
+        ``resumed_at`` (database clock) becomes the floor of catch-up, so the
+        slots that fell in the paused period are never run afterwards. The
+        note and ``paused_at`` stay as the record of the last pause.
+        """
+        from .store import DbNow
+
+        return self._transition(paused=True, values={"paused": False, "resumed_at": DbNow()})
+
+    def _transition(self, *, paused: bool, values: dict[str, object]) -> bool:
+        from .store import alias
+
+        db = self._state.db or alias()
+        won = bool(JobState.objects.using(db).filter(pk=self.pk, paused=paused).update(**values))
+        # Read back what the database holds: ours if we won, else the concurrent winner's.
+        try:
+            self.refresh_from_db(using=db, fields=list(values))
+        except JobState.DoesNotExist:
+            return False
+        return won
+
+
+class Instance(models.Model):
+    """A running ``manage.py anarchon`` process (or embedded scheduler)."""
+
+    token = models.CharField(max_length=32, primary_key=True, editable=False)
+    instance_id = models.CharField(_("instance"), max_length=200)
+    host = models.CharField(_("host"), max_length=255)
+    pid = models.PositiveIntegerField(_("pid"))
+    started_at = models.DateTimeField(_("started at"))
+    last_heartbeat = models.DateTimeField(_("last heartbeat"))
+
+    class Meta:
+        verbose_name = _("instance")
+        verbose_name_plural = _("instances")
+
+    def __str__(self) -> str:
+        return self.instance_id

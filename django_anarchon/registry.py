@@ -1,0 +1,292 @@
+"""Job declarations: ``every()`` / ``cron()``, validated when they are made."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import unicodedata
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .conf import check_json
+from .durations import VALID_FORMS, parse_duration_ms
+from .exceptions import DataNotSerializableError, DuplicateJobError, JobDeclarationError, UnknownJobError
+from .schedules import IntervalSchedule, Schedule, cron_schedule, load_timezone
+
+OVERLAP_CHOICES = ("skip", "allow", "queue", "replace")
+CATCH_UP_CHOICES = ("latest", "all", "none")
+OPTIONS = ("timeout", "overlap", "catch_up", "data", "timezone")
+MAX_NAME_LENGTH = 200
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True)
+class Job:
+    """One declared job: what to run, when, and how runs may overlap."""
+
+    name: str
+    schedule: Schedule
+    handler: Callable[..., Any]
+    is_async: bool
+    timeout_ms: int | None
+    overlap: str
+    catch_up: str
+    data: Any
+    origin: str
+
+    @property
+    def has_data(self) -> bool:
+        return self.data is not UNSET
+
+
+def _origin(handler: Any) -> str:
+    code = getattr(handler, "__code__", None)
+    module = getattr(handler, "__module__", None) or "?"
+    qualname = getattr(handler, "__qualname__", None) or repr(handler)
+    line = f":{code.co_firstlineno}" if code is not None else ""
+    return f"{module}.{qualname}{line}"
+
+
+def _is_async(handler: Callable[..., Any]) -> bool:
+    if inspect.iscoroutinefunction(handler):
+        return True
+    inner = getattr(handler, "func", None)  # functools.partial
+    if inner is not None and inspect.iscoroutinefunction(inner):
+        return True
+    call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+def validate_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise JobDeclarationError(None, f"the job name must be a string, got {name!r}")
+    if not name.strip() or name != name.strip():
+        raise JobDeclarationError(name, "the job name must not be empty or start or end with whitespace")
+    if len(name) > MAX_NAME_LENGTH:
+        raise JobDeclarationError(name[:40] + "…", f"the job name is longer than {MAX_NAME_LENGTH} characters")
+    if any(unicodedata.category(c).startswith("C") for c in name):
+        raise JobDeclarationError(name, "the job name must not contain control characters")
+    return name
+
+
+class Registry:
+    """The jobs a scheduler knows, by name. Thread-safe for declaration."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        # Declaration errors raised while discovering jobs.py modules: (module, error).
+        self.errors: list[tuple[str, JobDeclarationError]] = []
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(list(self._jobs.values()))
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._jobs
+
+    def get(self, name: str) -> Job:
+        try:
+            return self._jobs[name]
+        except KeyError:
+            raise UnknownJobError(name, list(self._jobs)) from None
+
+    def names(self) -> list[str]:
+        return list(self._jobs)
+
+    def add(self, job: Job) -> None:
+        with self._lock:
+            existing = self._jobs.get(job.name)
+            if existing is not None:
+                raise DuplicateJobError(job.name, existing.origin, job.origin)
+            self._jobs[job.name] = job
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._jobs.pop(name, None)
+
+    def discover(self, module_name: str = "jobs") -> None:
+        """Import every installed app's ``jobs`` module, like the admin's autodiscover.
+
+        A module that raises :class:`JobDeclarationError` is rolled back as a
+        whole (none of its jobs stay half-registered), the error is logged and
+        kept in :attr:`errors`, where the system check ``anarchon.E005`` reports
+        it and :meth:`Scheduler.start` refuses to start. Any other error in a
+        ``jobs.py`` propagates unchanged.
+        """
+        from importlib import import_module
+
+        from django.apps import apps
+        from django.utils.module_loading import module_has_submodule
+
+        for app_config in apps.get_app_configs():
+            if not module_has_submodule(app_config.module, module_name):
+                continue
+            path = f"{app_config.name}.{module_name}"
+            with self._lock:
+                before = dict(self._jobs)
+            try:
+                import_module(path)
+            except JobDeclarationError as error:
+                with self._lock:
+                    self._jobs = before
+                self.errors.append((path, error))
+                logging.getLogger("django_anarchon").error(
+                    "%s declares a bad job, so none of its jobs are registered: %s", path, error
+                )
+
+
+def _default_timezone() -> str:
+    from django.conf import settings
+
+    if settings.configured:
+        return getattr(settings, "TIME_ZONE", None) or "UTC"
+    return "UTC"
+
+
+def build_job(
+    kind: str,
+    name: object,
+    spec: object,
+    handler: Callable[..., Any],
+    options: dict[str, Any],
+) -> Job:
+    """Validate one declaration and return the :class:`Job`; raise :class:`JobDeclarationError`."""
+    name = validate_name(name)
+    valid = OPTIONS if kind == "cron" else tuple(o for o in OPTIONS if o != "timezone")
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise JobDeclarationError(
+            name, f"unknown option(s) {', '.join(map(repr, unknown))}; valid options are {', '.join(valid)}"
+        )
+    if not callable(handler):
+        raise JobDeclarationError(name, f"the handler must be a function or coroutine function, got {handler!r}")
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(object())
+        except TypeError:
+            raise JobDeclarationError(
+                name, f"the handler {_origin(handler)} must accept exactly one argument (the context ctx)"
+            ) from None
+
+    schedule: Schedule
+    if kind == "interval":
+        try:
+            schedule = IntervalSchedule(parse_duration_ms(spec))
+        except ValueError as error:
+            raise JobDeclarationError(name, f"bad interval: {error}") from None
+    else:
+        # Only a missing (or None) timezone means TIME_ZONE; "" is a bad value like any other.
+        tz_name = options.get("timezone")
+        if tz_name is None:
+            tz_name = _default_timezone()
+        try:
+            tz = load_timezone(tz_name)
+        except ValueError as error:
+            raise JobDeclarationError(name, f"bad timezone: {error}") from None
+        if not isinstance(spec, str):
+            raise JobDeclarationError(name, f"bad cron expression: {spec!r} is not a string")
+        try:
+            schedule = cron_schedule(spec, tz.key)
+        except ValueError as error:
+            raise JobDeclarationError(name, f"bad cron expression: {error}") from None
+
+    timeout = options.get("timeout")
+    timeout_ms: int | None = None
+    if timeout is not None:
+        try:
+            timeout_ms = parse_duration_ms(timeout)
+        except ValueError as error:
+            raise JobDeclarationError(name, f"bad timeout: {error}") from None
+
+    overlap = options.get("overlap", "skip")
+    if overlap not in OVERLAP_CHOICES:
+        raise JobDeclarationError(name, f"bad overlap {overlap!r}; use one of {', '.join(map(repr, OVERLAP_CHOICES))}")
+    catch_up = options.get("catch_up", "latest")
+    if catch_up not in CATCH_UP_CHOICES:
+        raise JobDeclarationError(
+            name, f"bad catch_up {catch_up!r}; use one of {', '.join(map(repr, CATCH_UP_CHOICES))}"
+        )
+    data = options.get("data", UNSET)
+    if data is not UNSET:
+        try:
+            check_json(data, "data")
+        except DataNotSerializableError as error:
+            raise JobDeclarationError(name, str(error)) from None
+
+    return Job(
+        name=name,
+        schedule=schedule,
+        handler=handler,
+        is_async=_is_async(handler),
+        timeout_ms=timeout_ms,
+        overlap=overlap,
+        catch_up=catch_up,
+        data=data,
+        origin=_origin(handler),
+    )
+
+
+class Declarations:
+    """The ``every()`` / ``cron()`` half of a scheduler."""
+
+    registry: Registry
+
+    def every(self, name: str, interval: Any, handler: Callable[..., Any] | None = None, **options: Any) -> Any:
+        """Run ``handler`` at every multiple of ``interval`` since the Unix epoch.
+
+        ``interval`` is a duration string (``"500ms"``, ``"10s"``, ``"1h30m"``),
+        a number of seconds or a ``timedelta``. Without ``handler``, returns a
+        decorator. Options: ``timeout``, ``overlap``, ``catch_up``, ``data``.
+        """
+        return self._declare("interval", name, interval, handler, options)
+
+    def cron(self, name: str, expression: str, handler: Callable[..., Any] | None = None, **options: Any) -> Any:
+        """Run ``handler`` on a cron ``expression`` in ``timezone`` (default: ``TIME_ZONE``).
+
+        Five fields, an optional sixth for seconds, or an ``@alias``. Without
+        ``handler``, returns a decorator. Options: ``timezone``, ``timeout``,
+        ``overlap``, ``catch_up``, ``data``.
+        """
+        return self._declare("cron", name, expression, handler, options)
+
+    def _declare(
+        self, kind: str, name: Any, spec: Any, handler: Callable[..., Any] | None, options: dict[str, Any]
+    ) -> Any:
+        if handler is None:
+            # Validate everything but the handler now, so that a bad schedule
+            # fails at the decorator line even before the function is defined.
+            build_job(kind, name, spec, _placeholder, options)
+
+            def decorator(function: F) -> F:
+                self.registry.add(build_job(kind, name, spec, function, options))
+                return function
+
+            return decorator
+        job = build_job(kind, name, spec, handler, options)
+        self.registry.add(job)
+        return handler
+
+
+def _placeholder(ctx: Any) -> None:  # pragma: no cover - never called
+    """Stands in for the handler while a decorator's arguments are checked."""
+
+
+__all__ = ["Job", "Registry", "Declarations", "OVERLAP_CHOICES", "CATCH_UP_CHOICES", "VALID_FORMS", "UNSET"]

@@ -1,0 +1,355 @@
+"""Runs one claimed run: context, handler, outcome, record, signals, log lines."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
+from django.db import connections
+
+from . import signals, store
+from .conf import check_json
+from .context import Context
+from .models import Reason, Run, Status
+from .recorder import HAND_OVER, Outcome
+from .registry import Job
+from .signal import AbortSignal
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+logger = logging.getLogger("django_anarchon")
+MAX_MESSAGE = 10_000
+MAX_TRACEBACK = 100_000
+
+RUNNING, FINISHING, DONE = "running", "finishing", "done"
+
+
+class ActiveRun:
+    """A run this process holds: its signal, lease bookkeeping and end state.
+
+    Exactly one party ends a run (the handler's thread, the timeout, a lost or
+    fenced lease, or a forced hand-over at stop); :meth:`begin_finish` decides
+    which, under a lock.
+    """
+
+    def __init__(self, run: Run, job: Job, renewed_at: float) -> None:
+        self.run = run
+        self.job = job
+        self.signal = AbortSignal()
+        self.renewed_at = renewed_at  # monotonic time the last committed renewal was sent
+        self.started = time.monotonic()
+        self.deadline: float | None = None  # set when the handler starts (a run may be claimed ahead)
+        self.cause: str | None = None
+        self.finished = threading.Event()  # set when its worker is done with it
+        self._state = RUNNING
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<ActiveRun {self.run.job} slot={self.run.slot} attempt={self.run.attempt} {self._state}>"
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def begin_finish(self) -> bool:
+        """Claim the right to end this run; False if someone else already did."""
+        with self._lock:
+            if self._state != RUNNING:
+                return False
+            self._state = FINISHING
+            return True
+
+    def done(self) -> None:
+        with self._lock:
+            self._state = DONE
+
+    def abort(self, cause: str, reason: BaseException) -> None:
+        """Abort the signal, remembering why (the first cause wins, like the signal's reason)."""
+        with self._lock:
+            if self.signal.aborted:
+                return
+            self.cause = cause
+        self.signal.abort(reason)
+
+
+def describe_error(error: BaseException) -> tuple[str, str, str]:
+    """(type, message, traceback) of ``error``, bounded so a huge one cannot swamp the table."""
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    try:
+        message = str(error)
+    except Exception:  # a broken __str__ must not lose the record
+        message = f"<unprintable {name}>"
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE] + f"… [{len(message) - MAX_MESSAGE} more characters]"
+    text = "".join(traceback.format_exception(kind, error, error.__traceback__))
+    if len(text) > MAX_TRACEBACK:
+        text = text[: MAX_TRACEBACK // 2] + "\n… [traceback cut] …\n" + text[-MAX_TRACEBACK // 2 :]
+    return name, message, text
+
+
+def log_fields(run: Run, instance_id: str) -> dict[str, Any]:
+    return {
+        "job": run.job,
+        "slot": run.slot,
+        "attempt": run.attempt,
+        "reason": run.reason,
+        "instance": instance_id,
+        "run_id": run.id,
+    }
+
+
+async def _invoke(handler: Callable[[Context], Any], ctx: Context) -> BaseException | None:
+    """Await an async handler; return what it raised instead of letting it reach the loop.
+
+    ``ThreadSensitiveContext`` gives the run its own thread for
+    ``sync_to_async`` (and the ORM's ``a*`` methods), so that async runs do not
+    queue behind each other on one shared thread.
+    """
+    try:
+        async with ThreadSensitiveContext():
+            try:
+                await handler(ctx)
+            finally:
+                await sync_to_async(connections.close_all)()
+    except BaseException as error:  # noqa: B036 - SystemExit/KeyboardInterrupt must not stop the loop
+        return error
+    return None
+
+
+class Workers:
+    """Daemon threads that run handlers: idle ones wait for work, a new one starts when none is idle.
+
+    Reusing threads keeps the start of a run to a queue hand-off. A handler
+    that ignores its signal past a timeout keeps its thread; the pool simply
+    starts another, and being daemons, such threads never hold up exit.
+    Threads idle for a minute leave.
+    """
+
+    IDLE_EXIT = 60.0
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Callable[[ActiveRun], None], ActiveRun]] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._count = itertools.count(1)
+
+    def submit(self, active: ActiveRun, work: Callable[[ActiveRun], None]) -> None:
+        self._tasks.put((work, active))
+        if not self._idle.acquire(blocking=False):
+            thread = threading.Thread(target=self._serve, name=f"anarchon-worker-{next(self._count)}", daemon=True)
+            thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                work, active = self._tasks.get(timeout=self.IDLE_EXIT)
+            except queue.Empty:
+                if self._idle.acquire(blocking=False):
+                    return  # nobody reserved this thread: leave
+                continue
+            work(active)
+            self._idle.release()
+
+
+class Runner:
+    """Executes runs on worker threads for an :class:`Engine`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.workers = Workers()
+
+    def start(self, active: ActiveRun) -> None:
+        active.finished.clear()
+        self.workers.submit(active, self._execute)
+
+    # -- in the run's thread --------------------------------------------------------
+
+    def _execute(self, active: ActiveRun) -> None:
+        try:
+            run = active.run
+            early = (run.slot - self.engine.clock.now_ms()) / 1000
+            if early > 0 and active.signal.wait(early):
+                # Claimed ahead of its slot and stopped before it was due: end it
+                # like a handler that raised at once (handed over after stop()).
+                self._complete(active, active.signal.reason)
+                return
+            active.started = time.monotonic()
+            if active.job.timeout_ms:
+                active.deadline = active.started + active.job.timeout_ms / 1000
+                self.engine.watch()
+            if run.reason == Reason.TAKEOVER:
+                signals.send(signals.run_taken_over, run=run)
+            signals.send(signals.run_started, run=run)
+            logger.info(
+                "Run started: %s slot=%s attempt=%d reason=%s instance=%s",
+                run.job,
+                run.slot,
+                run.attempt,
+                run.reason,
+                self.engine.instance_id,
+                extra=log_fields(run, self.engine.instance_id),
+            )
+            error = self._call(active)
+            self._complete(active, error)
+        except Exception:
+            logger.exception("Internal error while running %r", active.run.job, extra={"job": active.run.job})
+        finally:
+            connections.close_all()  # the handler's own connections: each run gets fresh ones
+            active.finished.set()
+            self.engine.run_exited(active)
+
+    def _context(self, active: ActiveRun) -> Context:
+        run = active.run
+
+        def save(value: Any) -> None:
+            check_json(value, f"Progress of job {run.job!r}")
+            if active.cause != "stop":
+                # After stop() the lease is still ours until the handler returns,
+                # so "on abort, save the note, then raise" works; after a timeout
+                # or a lost lease there is nothing left to write to.
+                active.signal.throw_if_aborted()
+            sent = time.monotonic()
+            try:
+                ours = store.save_progress(run.id, value, owner=self.engine.token, ttl=self.engine.settings.lease_ttl)
+            finally:
+                if active.job.is_async:
+                    connections.close_all()  # an executor thread's connection
+            if not ours:
+                self.engine.keeper.lose(active, "its lease was lost while saving progress")
+                active.signal.throw_if_aborted()
+            active.renewed_at = max(active.renewed_at, sent)
+
+        return Context(
+            name=run.job,
+            slot=run.slot,
+            scheduled_at=store.slot_datetime(run.slot),
+            instance_id=self.engine.instance_id,
+            attempt=run.attempt,
+            reason=run.reason,
+            manual=run.manual,
+            signal=active.signal,
+            data=run.data,
+            progress=run.progress,
+            _save=save,
+        )
+
+    def _call(self, active: ActiveRun) -> BaseException | None:
+        ctx = self._context(active)
+        if active.job.is_async:
+            future = asyncio.run_coroutine_threadsafe(_invoke(active.job.handler, ctx), self.engine.event_loop())
+            try:
+                return future.result()
+            except BaseException as error:  # noqa: B036 - the loop was shut down under the run
+                return error
+        try:
+            active.job.handler(ctx)
+        except BaseException as error:  # noqa: B036 - every ending is recorded, none escapes
+            return error
+        return None
+
+    def _complete(self, active: ActiveRun, error: BaseException | None) -> None:
+        if not active.begin_finish():
+            self._log_end(active, f"ended after it was {active.cause or 'ended'}", after="; its end changes nothing")
+            return
+        try:
+            if error is not None and active.signal.aborted and active.cause == "stop":
+                self.hand_over(active, error)
+            elif error is None:
+                self.record(active, Status.SUCCESS, None)
+            else:
+                self.record(active, Status.FAILED, error)
+        finally:
+            active.done()
+
+    # -- endings (also used by the engine) -------------------------------------------
+
+    def record(self, active: ActiveRun, status: str, error: BaseException | None) -> None:
+        """Record a final status for a run we are ending (through the recorder), then signal and log it."""
+        run = active.run
+        kind, message, text = describe_error(error) if error is not None else ("", "", "")
+        ours = self.engine.recorder.record(
+            Outcome(active, status, error_type=kind, error_message=message, traceback=text)
+        )
+        if ours is None:
+            return  # logged by the recorder: the database stayed unreachable
+        if not ours:
+            self._log_end(
+                active, "ended but was no longer ours to record (lease expired or taken over)", level=logging.WARNING
+            )
+            return
+        run.status, run.error_type, run.error_message, run.traceback = status, kind, message, text
+        run.finished_at = store.slot_datetime(self.engine.clock.now_ms())
+        self._log_end(active)
+        if status == Status.SUCCESS:
+            signals.send(signals.run_succeeded, run=run)
+        else:
+            signals.send(signals.run_failed, run=run, exception=error)
+
+    def hand_over(self, active: ActiveRun, error: BaseException | None) -> None:
+        """Mark the run interrupted and leave its next attempt pending for another instance."""
+        detail = f"interrupted on {self.engine.instance_id} by stop(); handed over to the next attempt"
+        pair = self.engine.recorder.record(Outcome(active, HAND_OVER, detail=detail))
+        if not pair:
+            return
+        old, new = pair
+        active.run = old
+        self._log_end(active)
+        logger.info(
+            "Handed over %s slot=%s: attempt %d is pending for another instance",
+            old.job,
+            old.slot,
+            new.attempt,
+            extra=log_fields(new, self.engine.instance_id),
+        )
+        signals.send(signals.run_interrupted, run=old, exception=error)
+
+    def _log_end(
+        self, active: ActiveRun, what: str | None = None, *, level: int = logging.INFO, after: str = ""
+    ) -> None:
+        """The one end line of a run (SPEC 7): ``Run <what>: job slot attempt reason instance duration``.
+
+        ``what`` defaults to the status just recorded (then also a ``status`` field).
+        """
+        run = active.run
+        duration = time.monotonic() - active.started
+        fields = {**log_fields(run, self.engine.instance_id), "duration": duration}
+        if what is None:
+            fields["status"] = run.status
+        logger.log(
+            level,
+            "Run %s: %s slot=%s attempt=%d reason=%s instance=%s duration=%.3fs%s",
+            what if what is not None else run.status,
+            run.job,
+            run.slot,
+            run.attempt,
+            run.reason,
+            self.engine.instance_id,
+            duration,
+            after,
+            extra=fields,
+        )
+
+
+def timeout_error(active: ActiveRun) -> TimeoutError:
+    seconds = (active.job.timeout_ms or 0) / 1000
+    return TimeoutError(f"Job {active.job.name!r} ran past its timeout of {seconds:g}s")
+
+
+def describe_loss(row: Run) -> str:
+    if row.status == Status.INTERRUPTED and "replaced" in row.detail:
+        return f"it was replaced: {row.detail}"
+    if row.status == Status.RUNNING:
+        return "its lease expired before it could be renewed"
+    return f"another instance recorded it as {row.status}" + (f" ({row.detail})" if row.detail else "")
+
+
+__all__ = ["ActiveRun", "Runner", "Workers", "describe_error", "describe_loss", "timeout_error"]

@@ -1,0 +1,165 @@
+"""The public scheduler: job declarations plus start/stop, ``run_now`` and ``run_once``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from asgiref.sync import sync_to_async
+
+from .conf import check_json, get_settings, problems
+from .exceptions import JobDeclarationError, SettingsError
+from .registry import Declarations, Job, Registry
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .models import Run
+
+logger = logging.getLogger("django_anarchon")
+
+
+class Scheduler(Declarations):
+    """A set of jobs and, once started, the engine that runs them in this process.
+
+    ``django_anarchon.scheduler`` is the process-wide default one, which every
+    app's ``jobs.py`` declares its jobs on.
+    """
+
+    def __init__(self) -> None:
+        self.registry = Registry()
+        self._engine: Engine | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = f"running as {self._engine.instance_id}" if self._engine else "stopped"
+        return f"<Scheduler {len(self.registry)} job(s), {state}>"
+
+    @property
+    def jobs(self) -> list[Job]:
+        """The declared jobs, in declaration order."""
+        return list(self.registry)
+
+    def job(self, name: str) -> Job:
+        """The job named ``name``; raises :class:`UnknownJobError` naming the declared ones."""
+        return self.registry.get(name)
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`."""
+        return self._engine is not None
+
+    @property
+    def instance_id(self) -> str | None:
+        """The id this process runs under while started."""
+        return self._engine.instance_id if self._engine else None
+
+    def start(self, *, instance_id: str | None = None) -> None:
+        """Start claiming and running this scheduler's jobs in background threads."""
+        from .engine import Engine
+
+        settings = get_settings()
+        found = problems(settings)
+        if found:
+            raise SettingsError(None, found[0])
+        if self.registry.errors:
+            module, error = self.registry.errors[0]
+            raise JobDeclarationError(error.job, f"{error.problem} (in {module}; fix it before starting the scheduler)")
+        with self._lock:
+            if self._engine is not None:
+                raise RuntimeError(f"{self!r} is already running; call stop() first")
+            self._engine = Engine(self.registry, settings, instance_id=instance_id)
+            self._engine.start()
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Block until the engine finished its start-up (database reached, catch-up done)."""
+        engine = self._engine
+        return engine.wait_started(timeout) if engine else False
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop gracefully: abort handlers' signals, wait up to ``timeout`` (default
+        ``SHUTDOWN_GRACE``) seconds, hand interrupted runs over. True if every handler ended.
+        """
+        with self._lock:
+            engine, self._engine = self._engine, None
+        if engine is None:
+            return True
+        return engine.stop(timeout)
+
+    def run_now(self, name: str, data: Any = None) -> Run:
+        """Ask for a run of job ``name`` as soon as possible; return the pending run.
+
+        Works from any process (a view, a shell, a task worker); a running
+        scheduler instance picks the run up within one poll interval (at once on
+        PostgreSQL) and runs it with ``reason="manual"``. ``data`` (JSON) becomes
+        ``ctx.data``; without it, the job's or the scheduler's data is used.
+        """
+        from . import store
+
+        job = self.job(name)
+        return store.create_manual(
+            job.name, self._run_data(job, data), slot=int(time.time() * 1000), schedule=job.schedule.describe()
+        )
+
+    async def arun_now(self, name: str, data: Any = None) -> Run:
+        """The async twin of :meth:`run_now`."""
+        return await sync_to_async(self.run_now, thread_sensitive=False)(name, data)
+
+    def _run_data(self, job: Job, data: Any) -> Any:
+        if data is not None:
+            return check_json(data, f"The data given to run_now({job.name!r})")
+        return job.data if job.has_data else get_settings().data
+
+    def run_once(self, name: str, data: Any = None, *, instance_id: str | None = None) -> Run:
+        """Run job ``name`` once in this process, in the foreground, as a manual run.
+
+        Waits while the job's overlap policy says another run must end first.
+        Returns the finished run record. Used by ``manage.py anarchon --run``.
+        """
+        from . import store
+        from .engine import Engine
+
+        job = self.job(name)
+        payload = self._run_data(job, data)
+        settings = get_settings()
+        engine = Engine([job], settings, instance_id=instance_id, schedule_jobs=False)
+        engine.start()
+        try:
+            waited = False
+            while True:
+                sent = time.monotonic()
+                run = store.claim_manual(
+                    job,
+                    payload,
+                    int(time.time() * 1000),
+                    owner=engine.token,
+                    instance_id=engine.instance_id,
+                    ttl=settings.lease_ttl,
+                )
+                if run is not None:
+                    break
+                if not waited:
+                    waited = True
+                    logger.info("Job %r is running elsewhere; waiting for that run to end", name)
+                time.sleep(settings.poll_interval)
+            active = engine.adopt(run, sent)
+            while active is not None and not active.finished.wait(0.2):
+                pass
+        finally:
+            engine.stop()
+        run.refresh_from_db()
+        return run
+
+
+scheduler = Scheduler()
+
+
+def run_now(name: str, data: Any = None) -> Run:
+    """Ask for a manual run of job ``name`` on the default scheduler (see :meth:`Scheduler.run_now`)."""
+    return scheduler.run_now(name, data)
+
+
+async def arun_now(name: str, data: Any = None) -> Run:
+    """The async twin of :func:`run_now`."""
+    return await scheduler.arun_now(name, data)

@@ -1,0 +1,75 @@
+"""Every database operation that decides who owns a run.
+
+The rules, which every function below follows:
+
+* **One winner per attempt.** A run attempt is the row (job, slot, attempt); the
+  unique constraint on those three columns means at most one such row exists,
+  and only the process whose token is in ``owner`` may run it.
+* **Claims are serialised per job.** Every decision that depends on what else a
+  job is doing (overlap, pause, catch-up) is made in one transaction that first
+  locks the job's ``JobState`` row: ``SELECT ... FOR UPDATE`` ordered by name on
+  PostgreSQL and MariaDB, an ``UPDATE`` on SQLite (which ignores
+  ``select_for_update`` but takes its database write lock on the first write;
+  starting with a write also keeps SQLite's busy timeout in force). Whoever
+  holds the lock sees everything committed before it and decides alone.
+* **A lease is live while ``lease_expires_at`` is ahead of the database clock**
+  (:class:`DbNow`, never the local clock). Every write by the owner is a
+  conditional UPDATE that requires the lease to be live and the status still
+  ``running``; every takeover is a conditional UPDATE that requires it to have
+  expired. Both lock the row, so exactly one of them wins; an expired lease is
+  never revived.
+* **Nothing is won until it is committed.** Callers learn what they won from
+  rows read back inside the committed transaction; a database error raises and
+  wins nothing.
+"""
+
+from __future__ import annotations
+
+from .base import (
+    CATCH_UP_LIMIT,
+    NOTIFY_CHANNEL,
+    CatchUp,
+    Claim,
+    DbNow,
+    Outcome,
+    alias,
+    db_in,
+    notify,
+    retry_deadlocks,
+    slot_datetime,
+)
+from .base import _lock_jobs as _lock_jobs
+from .claims import claim_manual, claim_pending, create_manual, decide, poll
+from .housekeeping import database_time, ensure_jobs, heartbeat, prune, register_instance, unregister_instance
+from .leases import finish, finish_many, hand_over, renew, save_progress, take_over
+
+__all__ = [
+    "CATCH_UP_LIMIT",
+    "NOTIFY_CHANNEL",
+    "CatchUp",
+    "Claim",
+    "DbNow",
+    "Outcome",
+    "alias",
+    "claim_manual",
+    "claim_pending",
+    "create_manual",
+    "database_time",
+    "db_in",
+    "decide",
+    "ensure_jobs",
+    "finish",
+    "finish_many",
+    "hand_over",
+    "heartbeat",
+    "notify",
+    "poll",
+    "prune",
+    "register_instance",
+    "renew",
+    "retry_deadlocks",
+    "save_progress",
+    "slot_datetime",
+    "take_over",
+    "unregister_instance",
+]

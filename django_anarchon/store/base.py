@@ -1,0 +1,237 @@
+"""What the ownership queries share: the database clock, the job locks, the claim types."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, TypeVar
+
+from django.db import OperationalError, connections, router
+from django.db.models import DateTimeField, ExpressionWrapper, F, Func, Max
+
+from ..models import JobState, Reason, Run, Status
+from ..registry import Job
+
+logger = logging.getLogger("django_anarchon")
+UTC = timezone.utc
+NOTIFY_CHANNEL = "django_anarchon"
+# "all" catch-up runs at most this many missed slots of a job; older ones are
+# recorded as missed, with a warning.
+CATCH_UP_LIMIT = 100
+
+
+class DbNow(Func):
+    """The database server's clock, in UTC, to the microsecond where it has them.
+
+    Django's ``Now()`` follows the MySQL session time zone and, before Django 5,
+    has only whole seconds on SQLite; leases need neither surprise.
+    """
+
+    output_field = DateTimeField()
+    template = "CURRENT_TIMESTAMP"
+
+    def as_postgresql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(compiler, connection, template="STATEMENT_TIMESTAMP()", **extra)
+
+    def as_mysql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra)
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(
+            compiler, connection, template="STRFTIME('%%%%Y-%%%%m-%%%%d %%%%H:%%%%M:%%%%f', 'NOW')", **extra
+        )
+
+
+def db_in(seconds: float) -> ExpressionWrapper:
+    """The database clock plus ``seconds``."""
+    return ExpressionWrapper(DbNow() + timedelta(seconds=seconds), output_field=DateTimeField())
+
+
+def alias() -> str:
+    """The database alias every scheduler query goes to (the router's choice for writes)."""
+    return router.db_for_write(Run)
+
+
+def _runs() -> Any:
+    return Run.objects.using(alias())
+
+
+def _newest_scheduled_slots(runs: Any) -> dict[str, int]:
+    """Each job's newest slot among ``runs`` that were not started by ``run_now()``.
+
+    What catch-up counts from: a manual run says nothing about which scheduled
+    slots were run. History pruning keeps the same figure of what it deletes.
+    """
+    newest = runs.exclude(reason=Reason.MANUAL).values("job").annotate(newest=Max("slot"))
+    return dict(newest.values_list("job", "newest"))
+
+
+def slot_datetime(slot: int) -> datetime:
+    return datetime.fromtimestamp(slot / 1000, tz=UTC)
+
+
+def _iso(slot: int) -> str:
+    return slot_datetime(slot).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A slot this instance wants decided: run it, skip it, queue it, or nothing (paused)."""
+
+    job: Job
+    slot: int
+    reason: str = Reason.SCHEDULED
+    # catch_up="all": when the job is busy, wait as a pending run instead of being skipped.
+    wait: bool = False
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """A job whose slots up to ``until`` may have been missed by the whole cluster."""
+
+    job: Job
+    until: int
+
+
+@dataclass
+class Outcome:
+    """What a claiming transaction decided. Every list holds committed rows."""
+
+    won: list[Run] = field(default_factory=list)
+    skipped: list[Run] = field(default_factory=list)
+    interrupted: list[Run] = field(default_factory=list)
+    deferred: list[Claim] = field(default_factory=list)
+    missed: list[Run] = field(default_factory=list)
+    busy: list[str] = field(default_factory=list)  # jobs locked by another transaction: not decided
+    early: list[Claim] = field(default_factory=list)  # claimed ahead while the job was busy: not decided
+
+
+def _vendor() -> str:
+    return str(connections[alias()].vendor)
+
+
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+_DEADLOCK_CODES = {1213, 1205, "40P01", "40001"}  # MySQL deadlock/lock wait timeout; PostgreSQL
+
+
+def _is_deadlock(error: BaseException) -> bool:
+    cause = error.__cause__ or error
+    code = getattr(cause, "sqlstate", None) or (cause.args[0] if getattr(cause, "args", None) else None)
+    return code in _DEADLOCK_CODES
+
+
+def retry_deadlocks(function: Fn) -> Fn:
+    """Run a claiming transaction again when the database chose it as a deadlock victim.
+
+    The database rolled it back entirely, so running it again is safe; it
+    decides afresh from what is committed then.
+    """
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for attempt in range(5):
+            try:
+                return function(*args, **kwargs)
+            except OperationalError as error:
+                if attempt == 4 or not _is_deadlock(error):
+                    raise
+                time.sleep(random.uniform(0.001, 0.02) * (attempt + 1))  # noqa: S311
+        return None  # pragma: no cover - the loop returns or raises
+
+    return wrapper  # type: ignore[return-value]
+
+
+def notify(payload: str = "") -> None:
+    """Wake the other instances at once (PostgreSQL LISTEN/NOTIFY; elsewhere they poll).
+
+    Inside a transaction the notification is delivered at COMMIT, never before.
+    """
+    if _vendor() != "postgresql":
+        return
+    with connections[alias()].cursor() as cursor:
+        cursor.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, payload])
+
+
+def _lock_jobs(names: Sequence[str], *, skip_locked: bool = False) -> dict[str, JobState]:
+    """Lock the JobState rows of ``names`` (creating missing ones) and return the locked ones.
+
+    Must be the first statement of its transaction (see the module docstring).
+    With ``skip_locked`` (PostgreSQL and MariaDB only), rows another
+    transaction holds are left out instead of waited for: the caller leaves
+    those jobs to be retried, rather than queueing behind an instance that is
+    deciding the very same slots.
+    """
+    names = sorted(set(names))
+    db = alias()
+    states = JobState.objects.using(db)
+    sqlite = _vendor() == "sqlite"
+    skip = skip_locked and not sqlite and connections[db].features.has_select_for_update_skip_locked
+
+    def lock(subset: list[str]) -> dict[str, JobState]:
+        if sqlite:
+            states.filter(name__in=subset).update(lock_seq=F("lock_seq") + 1)
+            return {s.name: s for s in states.filter(name__in=subset)}
+        query = states.select_for_update(skip_locked=skip).filter(name__in=subset).order_by("name")
+        return {s.name: s for s in query}
+
+    found = lock(names)
+    missing = [n for n in names if n not in found]
+    if skip and missing:
+        held_elsewhere = set(states.filter(name__in=missing).values_list("name", flat=True))
+        missing = [n for n in missing if n not in held_elsewhere]
+    if missing:
+        states.bulk_create([JobState(name=n, first_seen=DbNow()) for n in missing], ignore_conflicts=True)
+        found.update(lock(missing))
+    return found
+
+
+def _resolved_data(job: Job, default: Any) -> Any:
+    return job.data if job.has_data else default
+
+
+class _JobView:
+    """What one locked job is doing right now, kept current while a batch is decided."""
+
+    def __init__(self) -> None:
+        self.active: list[Run] = []  # running, or handed over and waiting for its next attempt
+        self.queued: list[Run] = []  # pending first attempts (manual, queued, catch-up)
+
+
+def _views(names: Iterable[str]) -> dict[str, _JobView]:
+    rows = _runs().filter(job__in=list(names), status__in=[Status.RUNNING, Status.PENDING]).order_by("slot", "id")
+    return _views_of(rows)
+
+
+def _views_of(rows: Iterable[Run]) -> dict[str, _JobView]:
+    """Group running and pending rows (oldest slot first) by job."""
+    views: dict[str, _JobView] = defaultdict(_JobView)
+    for row in rows:
+        view = views[row.job]
+        if row.status == Status.RUNNING or row.attempt > 1:
+            view.active.append(row)
+        else:
+            view.queued.append(row)
+    return views
+
+
+def _busy_detail(active: Run) -> str:
+    where = f" on {active.instance_id}" if active.instance_id else ""
+    return f"the previous run (slot {_iso(active.slot)}, attempt {active.attempt}) was still running{where}"
+
+
+def _interrupt(ids: list[int], detail: str) -> list[Run]:
+    """Mark the given running or handed-over runs interrupted (caller holds the job locks)."""
+    rows = list(_runs().filter(id__in=ids, status__in=[Status.RUNNING, Status.PENDING]))
+    _runs().filter(id__in=[r.id for r in rows], status__in=[Status.RUNNING, Status.PENDING]).update(
+        status=Status.INTERRUPTED, finished_at=DbNow(), lease_expires_at=None, detail=detail
+    )
+    for row in rows:
+        row.status = Status.INTERRUPTED
+        row.detail = detail
+    return rows

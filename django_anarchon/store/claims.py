@@ -1,0 +1,421 @@
+"""Deciding slots: scheduled and catch-up claims, pending runs, manual runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import DateTimeField, F, Q, Value
+from django.db.models.functions import Greatest
+
+from ..models import JobState, Reason, Run, Status
+from ..registry import Job
+from .base import (
+    CATCH_UP_LIMIT,
+    CatchUp,
+    Claim,
+    DbNow,
+    Outcome,
+    _busy_detail,
+    _interrupt,
+    _iso,
+    _JobView,
+    _lock_jobs,
+    _newest_scheduled_slots,
+    _resolved_data,
+    _runs,
+    _views,
+    _views_of,
+    alias,
+    db_in,
+    logger,
+    notify,
+    retry_deadlocks,
+    slot_datetime,
+)
+
+
+@retry_deadlocks
+def decide(
+    claims: Sequence[Claim],
+    catch_ups: Sequence[CatchUp] = (),
+    *,
+    owner: str,
+    instance_id: str,
+    ttl: float,
+    capacity: int,
+    default_data: Any = None,
+    skip_locked: bool = False,
+    now_ms: int | None = None,
+) -> Outcome:
+    """Decide slots: the one transaction behind every scheduled and catch-up claim.
+
+    Locks the JobState rows of every job involved, then, seeing everything
+    committed before: skips paused jobs; expands ``catch_ups`` into catch-up
+    claims and a ``missed`` record (per the job's ``catch_up`` policy, counting
+    from the newest slot on record and the last resume); and decides each
+    claim in slot order by the job's overlap policy: run (insert a ``running``
+    row owned by ``owner``, up to ``capacity`` of them; the rest are deferred
+    and left for others), skip (a ``skipped`` row), queue (a ``pending`` row),
+    or replace (mark the active runs ``interrupted``, then run). A slot that
+    already has a row was decided by someone else and is left alone. With
+    ``skip_locked``, jobs whose row another transaction holds are returned in
+    ``busy``, undecided, for the caller to retry. A claim for a slot after
+    ``now_ms`` (claimed ahead of time) whose job is still busy is returned in
+    ``early``, undecided: whether to skip, queue or replace is decided at the
+    slot, when the running run may have ended.
+    """
+    outcome = Outcome()
+    if claims and not catch_ups:
+        # Unlocked first look: an instance that arrives after the slots were
+        # decided learns it without taking (or waiting for) any lock.
+        done = set(
+            _runs()
+            .filter(job__in={c.job.name for c in claims}, slot__in={c.slot for c in claims}, attempt=1)
+            .values_list("job", "slot")
+        )
+        claims = [c for c in claims if (c.job.name, c.slot) not in done]
+    if not claims and not catch_ups:
+        return outcome
+    db = alias()
+    names = sorted({c.job.name for c in claims} | {c.job.name for c in catch_ups})
+    with transaction.atomic(using=db):
+        states = _lock_jobs(names, skip_locked=skip_locked)
+        if len(states) < len(names):
+            outcome.busy = sorted(set(names) - set(states))
+            claims = [c for c in claims if c.job.name in states]
+            catch_ups = [c for c in catch_ups if c.job.name in states]
+            names = sorted(states)
+        all_claims = list(claims)
+        missed_rows: list[Run] = []
+        if catch_ups:
+            extra, missed_rows = _expand_catch_ups(catch_ups, states, owner, instance_id)
+            all_claims = extra + all_claims
+        slots = sorted({c.slot for c in all_claims})
+        # One query for both "what is each job doing" and "was this slot decided".
+        rows = list(
+            _runs()
+            .filter(job__in=names)
+            .filter(Q(status__in=[Status.RUNNING, Status.PENDING]) | Q(slot__in=slots, attempt=1))
+            .order_by("slot", "id")
+        )
+        taken = {(r.job, r.slot) for r in rows if r.attempt == 1}
+        views = _views_of(r for r in rows if r.status in (Status.RUNNING, Status.PENDING))
+        inserts: list[Run] = []
+        replace_ids: list[int] = []
+        budget = capacity
+        for claim in sorted(all_claims, key=lambda c: (c.slot, c.job.name)):
+            job = claim.job
+            if states[job.name].paused or (job.name, claim.slot) in taken:
+                continue
+            view = views[job.name]
+            busy = bool(view.active) and job.overlap != "allow"
+            if busy and now_ms is not None and claim.slot > now_ms:
+                outcome.early.append(claim)
+                continue
+            status, detail = _overlap(claim, view) if busy else (Status.RUNNING, "")
+            if busy and job.overlap == "replace":
+                replace_ids.extend(r.id for r in view.active if r.id is not None)
+            if status == Status.RUNNING:
+                if budget <= 0:
+                    outcome.deferred.append(claim)
+                    continue
+                budget -= 1
+            row = Run(
+                job=job.name,
+                slot=claim.slot,
+                attempt=1,
+                status=status,
+                reason=claim.reason,
+                manual=False,
+                scheduled_at=slot_datetime(claim.slot),
+                instance_id=instance_id if status != Status.PENDING else "",
+                owner=owner if status != Status.PENDING else "",
+                created_at=DbNow(),
+                data=_resolved_data(job, default_data),
+                detail=detail,
+            )
+            if status == Status.RUNNING:
+                # Claimed a few ms ahead of the slot; the handler starts at the slot.
+                row.started_at = Greatest(DbNow(), Value(row.scheduled_at, output_field=DateTimeField()))
+                row.lease_expires_at = db_in(ttl)
+                if job.overlap != "allow":
+                    view.active = [row]  # later claims of this job in the batch see it busy
+            elif status == Status.SKIPPED:
+                row.finished_at = DbNow()
+            elif status == Status.PENDING:
+                view.queued.append(row)
+            taken.add((job.name, claim.slot))
+            inserts.append(row)
+        if replace_ids:
+            outcome.interrupted = _interrupt(replace_ids, "replaced by a newer slot (overlap='replace')")
+        if missed_rows:
+            inserts.extend(missed_rows)
+        if inserts:
+            # No conflict is possible under the job locks, but run_now() may
+            # pick the same millisecond; ignore_conflicts keeps the batch alive
+            # and the read-back below tells what was really inserted.
+            _runs().bulk_create(inserts, ignore_conflicts=True)
+            pairs = {(r.job, r.slot) for r in inserts}
+            mine = _runs().filter(job__in=names, slot__in=sorted({r.slot for r in inserts}), attempt=1, owner=owner)
+            for row in mine:
+                if (row.job, row.slot) not in pairs:
+                    continue  # an older row of ours that only shares a job or a slot value
+                if row.status == Status.RUNNING:
+                    outcome.won.append(row)
+                elif row.status == Status.SKIPPED:
+                    outcome.skipped.append(row)
+                elif row.status == Status.MISSED:
+                    outcome.missed.append(row)
+        if any(r.status == Status.PENDING for r in inserts):
+            notify("queued")
+    outcome.won.sort(key=lambda r: (r.slot, r.job))
+    return outcome
+
+
+def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
+    """What a slot of a busy job becomes under its overlap policy: (status, detail).
+
+    ``replace`` runs (the caller interrupts what runs); ``allow`` never gets here.
+    """
+    active = view.active[0]
+    if claim.wait:
+        return Status.PENDING, "waiting for the job's previous run to end (catch_up='all')"
+    if claim.job.overlap == "skip":
+        return Status.SKIPPED, _busy_detail(active)
+    if claim.job.overlap == "queue":
+        if view.queued:
+            return Status.SKIPPED, f"a run is already queued (slot {_iso(view.queued[0].slot)})"
+        return Status.PENDING, "queued behind " + _busy_detail(active)
+    return Status.RUNNING, ""
+
+
+def _expand_catch_ups(
+    catch_ups: Sequence[CatchUp], states: dict[str, JobState], owner: str, instance_id: str
+) -> tuple[list[Claim], list[Run]]:
+    """Turn windows of possibly missed slots into catch-up claims and ``missed`` records.
+
+    The floor is the newest slot on record for the job (any status but manual,
+    including runs that history pruning deleted: ``JobState.pruned_slot``) or
+    the last resume, whichever is later; a job with no record at all has never
+    run and has nothing to catch up. Caller holds the job locks, so two
+    instances cannot both count the same missed slots.
+    """
+    names = [c.job.name for c in catch_ups]
+    last = _newest_scheduled_slots(_runs().filter(job__in=names))
+    claims: list[Claim] = []
+    missed: list[Run] = []
+    for catch_up in catch_ups:
+        job = catch_up.job
+        state = states[job.name]
+        floor = max(
+            (slot for slot in (last.get(job.name), state.pruned_slot) if slot is not None),
+            default=None,
+        )
+        if floor is None or state.paused:
+            continue
+        if state.resumed_at is not None:
+            floor = max(floor, int(state.resumed_at.timestamp() * 1000))
+        limit = {"latest": 1, "all": CATCH_UP_LIMIT, "none": 0}[job.catch_up]
+        # One slot more than we may run, so that the newest one not run is known.
+        recent, count = job.schedule.slots_between(floor, catch_up.until, limit + 1)
+        if count == 0:
+            continue
+        to_run = recent[-limit:] if limit else []
+        not_run_slots = recent[: len(recent) - len(to_run)]
+        not_run = count - len(to_run)
+        for index, slot in enumerate(to_run):
+            claims.append(Claim(job, slot, Reason.CATCH_UP, wait=index > 0))
+        if job.catch_up == "all" and count > CATCH_UP_LIMIT:
+            logger.warning(
+                "Job %r missed %d slots; catch_up='all' runs the newest %d and records the rest as missed",
+                job.name,
+                count,
+                CATCH_UP_LIMIT,
+                extra={"job": job.name, "missed": count},
+            )
+        if not_run:
+            newest_not_run = not_run_slots[-1]
+            first = job.schedule.next_after(floor)
+            detail = (
+                f"{not_run} slot(s) missed from {_iso(first)} to {_iso(newest_not_run)} while no instance "
+                f"ran them; catch_up={job.catch_up!r}"
+            )
+            missed.append(
+                Run(
+                    job=job.name,
+                    slot=newest_not_run,
+                    attempt=1,
+                    status=Status.MISSED,
+                    reason=Reason.SCHEDULED,
+                    scheduled_at=slot_datetime(newest_not_run),
+                    instance_id=instance_id,
+                    owner=owner,
+                    created_at=DbNow(),
+                    finished_at=DbNow(),
+                    detail=detail,
+                )
+            )
+            JobState.objects.using(alias()).filter(name=job.name).update(missed_count=F("missed_count") + not_run)
+            logger.warning(
+                "Job %r: %s", job.name, detail, extra={"job": job.name, "missed": not_run, "instance": instance_id}
+            )
+    return claims, missed
+
+
+def poll(limit: int = 200) -> list[Run]:
+    """Runs that need someone: pending ones, and running ones whose lease has expired.
+
+    A read only; nothing is decided here.
+    """
+    return list(
+        _runs()
+        .filter(Q(status=Status.PENDING) | Q(status=Status.RUNNING, lease_expires_at__lt=DbNow()))
+        .order_by("slot", "id")[:limit]
+    )
+
+
+@retry_deadlocks
+def claim_pending(
+    rows: Sequence[Run], jobs: dict[str, Job], *, owner: str, instance_id: str, ttl: float, capacity: int
+) -> Outcome:
+    """Claim pending runs (manual, queued, catch-up, handed-over) that may start now.
+
+    Under the job locks, re-reads what each job is doing: a handed-over attempt
+    (attempt > 1) always may start; a first attempt starts if the job's overlap
+    allows it now (``allow``: always; ``skip``/``queue``: when nothing of the job
+    is active, oldest first, one at a time; ``replace``: interrupting what
+    runs). Queued and catch-up runs of a paused job are skipped; manual runs
+    and takeovers still run. The claim is a conditional UPDATE
+    ``pending -> running``; rowcount 1 means won.
+    """
+    outcome = Outcome()
+    names = sorted({r.job for r in rows if r.job in jobs})
+    if not names or capacity <= 0:
+        return outcome
+    db = alias()
+    with transaction.atomic(using=db):
+        states = _lock_jobs(names)
+        views = _views(names)
+        budget = capacity
+        chosen: list[Run] = []
+        pause_skips: list[int] = []
+        replace_ids: list[int] = []
+        for name in names:
+            job, view, paused = jobs[name], views[name], states[name].paused
+            for row in view.active:
+                if row.status == Status.PENDING and budget > 0:  # handed over: already admitted
+                    chosen.append(row)
+                    budget -= 1
+            started_here = False
+            for row in view.queued:  # oldest first
+                if paused and not row.manual:
+                    pause_skips.append(row.id)  # type: ignore[arg-type]
+                    continue
+                if budget <= 0:
+                    break
+                if job.overlap != "allow":
+                    if started_here:
+                        break  # one at a time
+                    if view.active:
+                        if job.overlap != "replace":
+                            break  # waits until the active run ends
+                        replace_ids.extend(r.id for r in view.active if r.id is not None)
+                    started_here = True
+                chosen.append(row)
+                budget -= 1
+        if pause_skips:
+            _runs().filter(id__in=pause_skips, status=Status.PENDING).update(
+                status=Status.SKIPPED, finished_at=DbNow(), detail="the job is paused"
+            )
+            outcome.skipped = list(_runs().filter(id__in=pause_skips, status=Status.SKIPPED))
+        if replace_ids:
+            outcome.interrupted = _interrupt(replace_ids, "replaced by a manual or queued run (overlap='replace')")
+        for row in chosen:
+            won = (
+                _runs()
+                .filter(id=row.id, status=Status.PENDING)
+                .update(
+                    status=Status.RUNNING,
+                    owner=owner,
+                    instance_id=instance_id,
+                    started_at=DbNow(),
+                    lease_expires_at=db_in(ttl),
+                )
+            )
+            if won:
+                outcome.won.append(_runs().get(id=row.id))
+    return outcome
+
+
+def create_manual(job: str, data: Any, slot: int, schedule: str = "") -> Run:
+    """Record a pending manual run of ``job`` at ``slot`` (bumped by 1 ms until unique) and notify."""
+    db = alias()
+    JobState.objects.using(db).bulk_create(
+        [JobState(name=job, schedule=schedule[:300], first_seen=DbNow())], ignore_conflicts=True
+    )
+    json.dumps(data)  # the caller validated it; this guards the column
+    for bump in range(1000):
+        run = Run(
+            job=job,
+            slot=slot + bump,
+            attempt=1,
+            status=Status.PENDING,
+            reason=Reason.MANUAL,
+            manual=True,
+            scheduled_at=slot_datetime(slot + bump),
+            data=data,
+            created_at=DbNow(),
+        )
+        try:
+            with transaction.atomic(using=db):
+                run.save(using=db, force_insert=True)
+                notify(f"manual:{run.pk}")
+        except IntegrityError:
+            continue
+        run.refresh_from_db()
+        return run
+    raise RuntimeError(f"could not find a free slot for a manual run of {job!r}")  # pragma: no cover
+
+
+@retry_deadlocks
+def claim_manual(job: Job, data: Any, slot: int, *, owner: str, instance_id: str, ttl: float) -> Run | None:
+    """Start a manual run of ``job`` here and now (``manage.py anarchon --run``).
+
+    Under the job lock: if the job's overlap policy makes it wait (``skip`` or
+    ``queue`` while a run of the job is active) nothing is written and None is
+    returned; ``replace`` interrupts the active run; otherwise a ``running`` row
+    owned by ``owner`` is inserted, at ``slot`` or the next free millisecond.
+    """
+    db = alias()
+    with transaction.atomic(using=db):
+        _lock_jobs([job.name])
+        view = _views([job.name])[job.name]
+        if view.active and job.overlap in ("skip", "queue"):
+            return None
+        if view.active and job.overlap == "replace":
+            _interrupt([r.id for r in view.active if r.id is not None], "replaced by a manual run (overlap='replace')")
+        taken = set(
+            _runs().filter(job=job.name, slot__gte=slot, slot__lt=slot + 1000, attempt=1).values_list("slot", flat=True)
+        )
+        free = next(s for s in range(slot, slot + 1001) if s not in taken)
+        run = Run(
+            job=job.name,
+            slot=free,
+            attempt=1,
+            status=Status.RUNNING,
+            reason=Reason.MANUAL,
+            manual=True,
+            scheduled_at=slot_datetime(free),
+            data=data,
+            instance_id=instance_id,
+            owner=owner,
+            created_at=DbNow(),
+            started_at=DbNow(),
+            lease_expires_at=db_in(ttl),
+        )
+        run.save(using=db, force_insert=True)
+    run.refresh_from_db()
+    return run

@@ -1,0 +1,174 @@
+"""Holding a run: takeover of expired leases, hand-over, renewal, progress and the final record."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import transaction
+
+from ..models import Reason, Run, Status
+from .base import (
+    DbNow,
+    _runs,
+    alias,
+    db_in,
+    notify,
+    retry_deadlocks,
+)
+
+
+def _held(owner: str) -> Any:
+    """The runs whose lease ``owner`` still holds: ours, running, not expired by the database clock.
+
+    Every write by a runner (renewal, progress, its end, a hand-over) goes
+    through this condition, so a runner that lost its lease changes nothing.
+    """
+    return _runs().filter(owner=owner, status=Status.RUNNING, lease_expires_at__gt=DbNow())
+
+
+@retry_deadlocks
+def take_over(run: Run, *, owner: str, instance_id: str, ttl: float, start: bool) -> tuple[Run, Run] | None:
+    """Take over a run whose lease expired; return (old attempt, new attempt) or None.
+
+    The conditional UPDATE marks the expired attempt ``interrupted`` only if it
+    is still running and its lease is still expired by the database clock; it
+    locks the row, so against a concurrent renewal or another backup exactly one
+    wins. The winner inserts the next attempt in the same transaction: running
+    and owned by ``owner`` if ``start``, else pending for whoever has room.
+    """
+    with transaction.atomic(using=alias()):
+        won = (
+            _runs()
+            .filter(id=run.id, status=Status.RUNNING, lease_expires_at__lt=DbNow())
+            .update(
+                status=Status.INTERRUPTED,
+                finished_at=DbNow(),
+                lease_expires_at=None,
+                detail=f"lease expired: {run.instance_id or 'its instance'} stopped renewing it "
+                "(crashed, froze or lost the database)",
+            )
+        )
+        if not won:
+            return None
+        old = _runs().get(id=run.id)
+        new = _next_attempt(old, owner=owner, instance_id=instance_id, ttl=ttl, start=start)
+    return old, new
+
+
+def _next_attempt(old: Run, *, owner: str, instance_id: str, ttl: float, start: bool) -> Run:
+    new = Run(
+        job=old.job,
+        slot=old.slot,
+        attempt=old.attempt + 1,
+        status=Status.RUNNING if start else Status.PENDING,
+        reason=Reason.TAKEOVER,
+        manual=old.manual,
+        scheduled_at=old.scheduled_at,
+        data=old.data,
+        progress=old.progress,
+        created_at=DbNow(),
+        detail=f"takes over attempt {old.attempt} from {old.instance_id or 'an instance'}",
+    )
+    if start:
+        new.owner = owner
+        new.instance_id = instance_id
+        new.started_at = DbNow()
+        new.lease_expires_at = db_in(ttl)
+    new.save(using=alias(), force_insert=True)
+    new.refresh_from_db()
+    return new
+
+
+@retry_deadlocks
+def hand_over(run_id: int, *, owner: str, detail: str) -> tuple[Run, Run] | None:
+    """Release a run this process holds so that another instance continues it.
+
+    Marks the attempt ``interrupted`` (only if the lease is still ours and
+    live) and inserts the next attempt as ``pending`` in the same transaction,
+    then notifies the other instances. Returns (old, new) or None if the run
+    was no longer ours.
+    """
+    with transaction.atomic(using=alias()):
+        won = (
+            _held(owner)
+            .filter(id=run_id)
+            .update(status=Status.INTERRUPTED, finished_at=DbNow(), lease_expires_at=None, detail=detail)
+        )
+        if not won:
+            return None
+        old = _runs().get(id=run_id)
+        new = _next_attempt(old, owner="", instance_id="", ttl=0, start=False)
+        notify("handover")
+    return old, new
+
+
+def renew(ids: Sequence[int], *, owner: str, ttl: float) -> tuple[set[int], list[Run]]:
+    """Extend the leases of ``ids``; return (still held, lost rows).
+
+    Only leases that are ours, running and still live are extended; a lease
+    that expired stays expired (a backup may already be starting), and a run
+    that was replaced or taken over is lost. One UPDATE for all runs; a second
+    query only when some were lost, to say why.
+    """
+    if not ids:
+        return set(), []
+    ids = list(ids)
+    renewed = _held(owner).filter(id__in=ids).update(lease_expires_at=db_in(ttl))
+    if renewed == len(ids):
+        return set(ids), []
+    held = set(_held(owner).filter(id__in=ids).values_list("id", flat=True))
+    lost = list(_runs().filter(id__in=[i for i in ids if i not in held]))
+    return held, lost
+
+
+def finish(
+    run_id: int,
+    *,
+    owner: str,
+    status: str,
+    error_type: str = "",
+    error_message: str = "",
+    traceback: str = "",
+    detail: str = "",
+) -> bool:
+    """Record the outcome of a run we hold; False if it is no longer ours to record.
+
+    The UPDATE requires our token, status ``running`` and a live lease by the
+    database clock, so a runner that froze past its lease or was replaced
+    changes nothing. Idempotent: a retry after a lost reply finds the status
+    already written by us and still answers True.
+    """
+    done = (
+        _held(owner)
+        .filter(id=run_id)
+        .update(
+            status=status,
+            finished_at=DbNow(),
+            lease_expires_at=None,
+            error_type=error_type[:255],
+            error_message=error_message,
+            traceback=traceback,
+            detail=detail,
+        )
+    )
+    return bool(done) or _runs().filter(id=run_id, owner=owner, status=status, lease_expires_at=None).exists()
+
+
+def finish_many(run_ids: Sequence[int], *, owner: str) -> set[int]:
+    """Record ``success`` for runs we hold, in one UPDATE; return the ids recorded.
+
+    Same conditions as :func:`finish`. Only when some were not recorded does a
+    second query tell which ones are ours (a row in ``success`` with our token
+    can only have been written by us: each attempt ends once).
+    """
+    ids = list(run_ids)
+    done = _held(owner).filter(id__in=ids).update(status=Status.SUCCESS, finished_at=DbNow(), lease_expires_at=None)
+    if done == len(ids):
+        return set(ids)
+    return set(_runs().filter(id__in=ids, owner=owner, status=Status.SUCCESS).values_list("id", flat=True))
+
+
+def save_progress(run_id: int, value: Any, *, owner: str, ttl: float) -> bool:
+    """Store ``value`` as the run's progress and renew its lease; False if the run is not ours."""
+    return bool(_held(owner).filter(id=run_id).update(progress=value, lease_expires_at=db_in(ttl)))

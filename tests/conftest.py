@@ -1,0 +1,197 @@
+"""Shared fixtures: a guard that fails loudly when a database server is down, and
+``cluster``, which starts real ``manage.py anarchon`` processes on the test database."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+MANAGE = ROOT / "tests" / "manage.py"
+
+# An interval for jobs that must run only when a test asks (run_now, a hand-over):
+# slots are aligned to the epoch, so the previous one was 2024-10-04 and the next
+# is 2052-02-20. "1h" or "1d" here made tests flaky on the hour or at midnight.
+ON_DEMAND = "10000d"
+
+HOW_TO_START = {
+    "postgresql": "PostgreSQL is not reachable at {where}. Start it with: "
+    "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+    "mysql": "MariaDB is not reachable at {where}. Start it with: "
+    "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd",
+}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Never skip a database test silently: stop the run with the command that fixes it."""
+    import django
+    from django.conf import settings
+
+    django.setup()
+    db = settings.DATABASES["default"]
+    vendor = "postgresql" if "postgresql" in db["ENGINE"] else "mysql" if "mysql" in db["ENGINE"] else "sqlite"
+    if vendor == "sqlite":
+        return
+    from django.db import connections
+
+    probe = connections.create_connection("default")
+    probe.settings_dict = {**probe.settings_dict, "NAME": db["NAME"]}
+    try:
+        # The raw driver connection: pytest-django blocks the ORM at this point.
+        probe.get_new_connection(probe.get_connection_params()).close()
+    except Exception as error:
+        where = f"{db.get('HOST') or 'localhost'}:{db.get('PORT') or 'default port'}"
+        pytest.exit(f"{HOW_TO_START[vendor].format(where=where)}\n({error})", returncode=3)
+
+
+def vendor() -> str:
+    """The database of this run: sqlite, postgresql or mariadb."""
+    return {"postgresql": "postgresql", "mysql": "mariadb"}.get(connection.vendor, "sqlite")
+
+
+def report(test: str, figures: dict[str, Any]) -> None:
+    """Add a test's figures to test-artifacts/faults-<database>.json (for docs/reliability.md) and print them."""
+    path = ROOT / "test-artifacts" / f"faults-{vendor()}.json"
+    path.parent.mkdir(exist_ok=True)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[test] = {**figures, "database": vendor(), "at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    print(f"\n{test} [{vendor()}]: {json.dumps(figures, sort_keys=True)}")
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1, what: str = "") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+class Instance:
+    """One `manage.py anarchon` child process."""
+
+    def __init__(self, instance_id: str, process: subprocess.Popen[bytes], log: Path) -> None:
+        self.instance_id = instance_id
+        self.process = process
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.process.pid, sig)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout)
+
+
+class Cluster:
+    """Starts and stops real scheduler processes against the test database."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.instances: list[Instance] = []
+        self.jobs: list[dict[str, Any]] = []
+        self.settings: dict[str, Any] = {}
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env["ANARCHON_TEST_JOBS"] = json.dumps(self.jobs)
+        env["ANARCHON_TEST_DB_NAME"] = str(connection.settings_dict["NAME"])
+        env["ANARCHON_TEST_CHILD"] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        for key, value in self.settings.items():
+            env[f"ANARCHON_{key}"] = str(value)
+        env.update(extra or {})
+        return env
+
+    def start(
+        self, instance_id: str, extra_env: dict[str, str] | None = None, prefix: list[str] | None = None
+    ) -> Instance:
+        log = self.tmp_path / f"{instance_id}-{len(self.instances)}.log"
+        handle = log.open("wb")
+        process = subprocess.Popen(
+            [*(prefix or []), sys.executable, str(MANAGE), "anarchon", "--instance-id", instance_id],
+            cwd=ROOT,
+            env=self.env(extra_env),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        instance = Instance(instance_id, process, log)
+        self.instances.append(instance)
+        return instance
+
+    def wait_ready(self, *instances: Instance, timeout: float = 30) -> None:
+        for instance in instances:
+            wait_for(
+                lambda i=instance: "started with" in i.output() or not i.alive(),
+                timeout,
+                what=f"{instance.instance_id} to start",
+            )
+            assert instance.alive(), f"{instance.instance_id} died at start:\n{instance.output()}"
+
+    def manage(
+        self, *args: str, timeout: float = 60, extra_env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(MANAGE), *args],
+            cwd=ROOT,
+            env=self.env(extra_env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def shutdown(self) -> None:
+        for instance in self.instances:
+            if instance.alive():
+                instance.signal(signal.SIGCONT)
+                instance.signal(signal.SIGKILL)
+                try:
+                    instance.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {i.instance_id} (pid {i.pid}) =====\n{i.output()}" for i in self.instances)
+
+
+@pytest.fixture
+def cluster(transactional_db: None, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    group = Cluster(tmp_path)
+    yield group
+    group.shutdown()
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        print(group.logs())
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call":
+        item.rep_call = report  # type: ignore[attr-defined]
+    return report

@@ -1,0 +1,195 @@
+"""`manage.py anarchon` and `manage.py check` as a user runs them (real child processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from django_anarchon.models import JobState, Run
+from tests.conftest import ON_DEMAND, ROOT, Cluster, wait_for
+from tests.testapp.models import Execution
+
+pytestmark = [pytest.mark.process, pytest.mark.django_db(transaction=True)]
+
+
+def test_list_shows_jobs_schedules_next_due_times_and_pauses(cluster: Cluster) -> None:
+    cluster.jobs = [
+        {"name": "tick", "every": "1h30m", "kind": "record", "timeout": "5m"},
+        {"name": "paris", "cron": "30 2 * * *", "timezone": "Europe/Paris", "kind": "record"},
+    ]
+    JobState.objects.create(name="paris", paused=True)
+    result = cluster.manage("anarchon", "--list")
+    assert result.returncode == 0, result.stderr
+    tick, paris = result.stdout.splitlines()
+    assert tick.startswith("tick") and "every 1h30m" in tick and "timeout=300s" in tick
+    assert "cron 30 2 * * * (Europe/Paris)" in paris and "PAUSED" in paris
+    assert ("CET" in paris or "CEST" in paris) and ":30:00" in paris
+
+
+def test_run_runs_one_job_in_the_foreground_as_manual(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "once", "every": ON_DEMAND, "kind": "record"}]
+    result = cluster.manage("anarchon", "--run", "once", "--data", '{"n": 1}', "--instance-id", "cli")
+    assert result.returncode == 0, result.stderr
+    assert ": success" in result.stdout
+    [run] = Run.objects.filter(job="once")
+    assert (run.status, run.reason, run.manual, run.instance_id, run.data) == (
+        "success",
+        "manual",
+        True,
+        "cli",
+        {"n": 1},
+    )
+    execution = Execution.objects.get(job="once")
+    assert (execution.reason, execution.manual, execution.data) == ("manual", True, {"n": 1})
+
+
+def test_run_of_a_failing_job_exits_non_zero_with_the_error(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "bad", "every": ON_DEMAND, "kind": "fail"}]
+    result = cluster.manage("anarchon", "--run", "bad")
+    assert result.returncode == 1
+    assert "ValueError: boom in bad" in result.stderr
+    assert Run.objects.get(job="bad").status == "failed"
+
+
+def test_run_of_an_unknown_job_names_the_declared_ones(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "known", "every": ON_DEMAND}]
+    result = cluster.manage("anarchon", "--run", "unknown")
+    assert result.returncode == 1
+    assert "No job is named 'unknown'" in result.stderr and "'known'" in result.stderr
+
+
+def test_bad_flags_are_rejected_by_argparse(cluster: Cluster) -> None:
+    result = cluster.manage("anarchon", "--run", "x", "--data", "{not json")
+    assert result.returncode == 2 and "--data" in result.stderr and "not valid JSON" in result.stderr
+    result = cluster.manage("anarchon", "--list", "--run", "x")
+    assert result.returncode == 2 and "not allowed with" in result.stderr
+
+
+def test_settings_that_break_the_guarantees_stop_the_command(cluster: Cluster) -> None:
+    cluster.settings = {"LEASE_TTL": 1, "POLL_INTERVAL": 1}
+    result = cluster.manage("anarchon")
+    assert result.returncode == 1
+    assert "anarchon.E003" in result.stderr
+
+
+def test_a_bad_declaration_is_reported_by_check_and_blocks_the_scheduler(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "ok", "every": "1s"}, {"name": "typo", "every": "10 sec"}]
+    result = cluster.manage("check")
+    assert result.returncode == 1
+    assert "anarchon.E005" in result.stderr
+    assert "Job 'typo': bad interval: '10 sec'" in result.stderr and "'1h30m'" in result.stderr
+    result = cluster.manage("anarchon")
+    assert result.returncode == 1 and "anarchon.E005" in result.stderr
+
+
+def test_a_jobs_module_that_raises_at_import_stops_the_process_with_its_own_error(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "x", "every": "1s", "kind": "no-such-kind"}]
+    result = cluster.manage("check")
+    assert result.returncode == 1
+    assert "unknown test job kind 'no-such-kind'" in result.stderr
+    assert "Traceback" in result.stderr
+
+
+def test_a_second_sigint_exits_at_once(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "deaf", "every": "1s", "kind": "stubborn", "seconds": 60}]
+    cluster.settings = {"SHUTDOWN_GRACE": 60}
+    node = cluster.start("deaf-node")
+    cluster.wait_ready(node)
+    wait_for(lambda: Execution.objects.filter(job="deaf").exists(), 10, what="the handler to start")
+    node.signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert node.alive(), "the first SIGINT waits for the grace period"
+    node.signal(signal.SIGINT)
+    assert node.wait(5) == 130
+
+
+@pytest.mark.parametrize("kind", ["stubborn", "async_stubborn"])
+def test_sigterm_exits_0_after_the_grace_period_even_if_a_handler_never_ends(cluster: Cluster, kind: str) -> None:
+    # The handler ignores its signal. After SHUTDOWN_GRACE the run is handed over;
+    # the process must then leave, not wait for the handler's thread (an async
+    # handler's sync_to_async thread is one that Python waits for at exit).
+    cluster.jobs = [{"name": "deaf", "every": ON_DEMAND, "kind": kind, "seconds": 60}]
+    cluster.settings = {"SHUTDOWN_GRACE": 0.5}
+    node = cluster.start("deaf-node")
+    cluster.wait_ready(node)
+    request = cluster.manage("shell", "-c", "from django_anarchon import run_now; run_now('deaf')")
+    assert request.returncode == 0, request.stderr
+    wait_for(lambda: Execution.objects.filter(job="deaf").exists(), 10, what="the handler to start")
+    node.signal(signal.SIGTERM)
+    assert node.wait(10) == 0, node.output()
+    assert "did not end within the 0.5s grace period" in node.output()
+    run = Run.objects.get(job="deaf", attempt=1)
+    assert run.status == "interrupted"
+    assert Run.objects.get(job="deaf", slot=run.slot, attempt=2).status == "pending"
+    assert not Execution.objects.filter(job="deaf", event="end").exists()
+
+
+def test_run_now_from_another_process_is_picked_up_within_a_poll(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "manual", "every": ON_DEMAND, "kind": "record"}]
+    node = cluster.start("worker")
+    cluster.wait_ready(node)
+    time.sleep(0.5)
+    code = "from django_anarchon import run_now; print(run_now('manual', data={'from': 'shell'}).pk)"
+    result = cluster.manage("shell", "-c", code)
+    assert result.returncode == 0, result.stderr
+    run_id = int(result.stdout.split()[-1])
+    done = wait_for(lambda: Run.objects.filter(pk=run_id, status="success").first(), 10, what="the manual run")
+    assert (done.reason, done.manual, done.data, done.instance_id) == ("manual", True, {"from": "shell"}, "worker")
+    pickup = (done.started_at - done.created_at).total_seconds()
+    assert pickup < 0.2 + 1.5, f"picked up after {pickup:.2f}s"
+    print(f"run_now pickup by polling or NOTIFY: {pickup * 1000:.0f} ms")
+
+
+def test_run_now_is_picked_up_at_once_via_notify_on_postgresql_and_at_the_next_poll_elsewhere(
+    cluster: Cluster,
+) -> None:
+    from django.db import connection
+
+    cluster.jobs = [{"name": "manual", "every": ON_DEMAND, "kind": "record"}]
+    # A poll only every 30 s: a pickup within seconds can only come from NOTIFY.
+    cluster.settings = {"POLL_INTERVAL": 30, "LEASE_TTL": 120}
+    node = cluster.start("listener")
+    cluster.wait_ready(node)
+    time.sleep(1.0)  # past the start-up poll
+    shell = "from django_anarchon import run_now; print(run_now('manual', data={n}).pk)"
+    if connection.vendor != "postgresql":
+        # No LISTEN/NOTIFY: the request waits for the next poll.
+        run_id = int(cluster.manage("shell", "-c", shell.format(n=0)).stdout.split()[-1])
+        time.sleep(3)
+        assert Run.objects.get(pk=run_id).status == "pending"
+        return
+    pickups = []
+    for n in range(3):
+        run_id = int(cluster.manage("shell", "-c", shell.format(n=n)).stdout.split()[-1])
+        done = wait_for(
+            lambda run_id=run_id: Run.objects.filter(pk=run_id, status="success").first(), 10, what="NOTIFY pickup"
+        )
+        pickups.append((done.started_at - done.created_at).total_seconds())
+    assert max(pickups) < 2.0, pickups
+    print("run_now pickup via NOTIFY: " + ", ".join(f"{p * 1000:.0f} ms" for p in pickups))
+
+
+def test_the_example_project_e_mails_the_admins_when_a_run_fails(tmp_path: Path) -> None:
+    env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path / 'example.sqlite3'}", "PYTHONUNBUFFERED": "1"}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    manage = [sys.executable, str(ROOT / "example_project" / "manage.py")]
+    migrate = subprocess.run([*manage, "migrate", "-v", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert migrate.returncode == 0, migrate.stderr
+    result = subprocess.run(
+        [*manage, "anarchon", "--run", "sync-customers", "--data", '{"fail": true}'],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    # The console e-mail backend prints the alert that demo/alerts.py sends on run_failed.
+    assert "Subject: [Django] Job sync-customers failed (attempt 1)" in result.stdout
+    assert "To: ops@example.com" in result.stdout
+    assert "RuntimeError: the customer API answered 503" in result.stdout

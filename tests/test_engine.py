@@ -1,0 +1,640 @@
+"""The engine in-process: outcomes, timeouts, stop, fencing, signals, data, async handlers.
+
+An embedded scheduler runs real slots of a few hundred milliseconds
+(LEASE_TTL 2 s, POLL_INTERVAL 0.2 s from tests/settings.py). The
+distributed guarantees across processes are in test_process.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import OperationalError
+from django.test import override_settings
+
+from django_anarchon import Context, Interrupted, Scheduler, signals, store
+from django_anarchon.models import JobState, Run
+from tests.conftest import ON_DEMAND, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def sched() -> Iterator[Scheduler]:
+    scheduler = Scheduler()
+    yield scheduler
+    scheduler.stop(timeout=2)
+
+
+def start(scheduler: Scheduler) -> None:
+    scheduler.start(instance_id="engine-test")
+    assert scheduler.wait_started(10)
+
+
+def finished(job: str, n: int = 1, timeout: float = 8) -> list[Run]:
+    return wait_for(
+        lambda: (
+            (rows := list(Run.objects.filter(job=job).exclude(status__in=["running", "pending"]).order_by("slot")))
+            and len(rows) >= n
+            and rows
+        ),
+        timeout,
+        what=f"{n} finished run(s) of {job}",
+    )
+
+
+class Received:
+    """Collects what a signal sends."""
+
+    def __init__(self, signal: Any) -> None:
+        self.signal = signal
+        self.calls: list[dict[str, Any]] = []
+        signal.connect(self.receive, weak=False)
+
+    def receive(self, sender: Any, **kwargs: Any) -> None:
+        self.calls.append(kwargs)
+
+    def close(self) -> None:
+        self.signal.disconnect(self.receive)
+
+
+@pytest.fixture
+def received() -> Iterator[dict[str, Received]]:
+    names = ["run_started", "run_succeeded", "run_failed", "run_interrupted", "run_skipped", "run_taken_over"]
+    collectors = {name: Received(getattr(signals, name)) for name in names}
+    yield collectors
+    for collector in collectors.values():
+        collector.close()
+
+
+def test_a_returning_handler_is_recorded_success_with_its_context(sched: Scheduler, received: Any) -> None:
+    seen: list[Context] = []
+    sched.every("ok", "500ms", seen.append, data={"who": "job"})
+    start(sched)
+    [run, *_] = finished("ok")
+    assert run.status == "success" and run.reason == "scheduled" and run.attempt == 1
+    ctx = seen[0]
+    assert ctx.slot % 500 == 0 and ctx.slot == run.slot
+    assert ctx.scheduled_at == store.slot_datetime(ctx.slot) and ctx.scheduled_at.tzinfo is not None
+    assert (ctx.name, ctx.instance_id, ctx.attempt, ctx.reason, ctx.manual) == (
+        "ok",
+        "engine-test",
+        1,
+        "scheduled",
+        False,
+    )
+    assert ctx.data == {"who": "job"} and ctx.progress is None and not ctx.signal.aborted
+    assert run.started_at and run.finished_at and run.duration is not None
+    assert any(c["run"].slot == run.slot for c in received["run_started"].calls)
+    assert any(c["run"].slot == run.slot for c in received["run_succeeded"].calls)
+
+
+def test_a_raising_handler_is_recorded_failed_with_type_message_and_traceback(sched: Scheduler, received: Any) -> None:
+    def broken(ctx: Context) -> None:
+        raise ValueError("the ledger does not balance")
+
+    sched.every("broken", "500ms", broken)
+    start(sched)
+    [run, *_] = finished("broken")
+    assert (run.status, run.error_type, run.error_message) == ("failed", "ValueError", "the ledger does not balance")
+    assert "in broken" in run.traceback and "ValueError" in run.traceback
+    [call, *_] = received["run_failed"].calls
+    assert isinstance(call["exception"], ValueError)
+
+
+@pytest.mark.parametrize("exception", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
+def test_base_exceptions_from_handlers_are_failures_not_crashes(sched: Scheduler, exception: BaseException) -> None:
+    def sync_handler(ctx: Context) -> None:
+        raise exception
+
+    async def async_handler(ctx: Context) -> None:
+        raise exception
+
+    # overlap="allow": a run stretched past the next slot on a loaded machine would
+    # turn that slot into a skip, which is right but not what this test is about.
+    sched.every("sync", "500ms", sync_handler, overlap="allow")
+    sched.every("async", "500ms", async_handler, overlap="allow")
+    start(sched)
+    for job in ("sync", "async"):
+        runs = finished(job, 2)
+        assert all(r.status == "failed" and r.error_type == type(exception).__name__ for r in runs)
+    assert sched.running
+
+
+def test_timeout_fails_the_run_and_frees_the_job_even_if_the_handler_ignores_it(sched: Scheduler) -> None:
+    release = threading.Event()
+    aborted: list[BaseException | None] = []
+
+    def stubborn(ctx: Context) -> None:
+        release.wait(5)  # ignores its signal
+        aborted.append(ctx.signal.reason)
+
+    sched.every("slow", "1s", stubborn, timeout="300ms")
+    start(sched)
+    runs = finished("slow", 2, timeout=10)
+    try:
+        assert [r.status for r in runs[:2]] == ["failed", "failed"]
+        assert runs[0].error_type == "TimeoutError" and "timeout of 0.3s" in runs[0].error_message
+        # The second slot ran while the first handler was still blocked: the job was free.
+        assert runs[1].slot == runs[0].slot + 1000
+    finally:
+        release.set()
+    wait_for(lambda: aborted, 5)
+    assert isinstance(aborted[0], TimeoutError)
+    time.sleep(0.3)
+    assert Run.objects.get(pk=runs[0].pk).status == "failed", "the late return changed nothing"
+
+
+def test_a_handler_that_honours_the_timeout_sees_timeout_error(sched: Scheduler) -> None:
+    reasons: list[str] = []
+
+    def patient(ctx: Context) -> None:
+        try:
+            ctx.sleep(10)
+        except BaseException as error:
+            reasons.append(type(error).__name__)
+            raise
+
+    sched.every("patient", "1s", patient, timeout=0.2)
+    start(sched)
+    [run, *_] = finished("patient")
+    assert run.status == "failed" and run.error_type == "TimeoutError"
+    assert reasons[0] == "TimeoutError"
+
+
+def test_stop_interrupts_and_hands_over_a_handler_that_raises(sched: Scheduler, received: Any) -> None:
+    started = threading.Event()
+
+    def long(ctx: Context) -> None:
+        started.set()
+        ctx.save_progress({"page": 3})
+        ctx.sleep(30)
+
+    sched.every("long", "1s", long)
+    start(sched)
+    assert started.wait(5)
+    assert sched.stop(timeout=5) is True
+    first = Run.objects.get(job="long", attempt=1, status="interrupted")
+    second = Run.objects.get(job="long", slot=first.slot, attempt=2)
+    assert (second.status, second.reason, second.progress) == ("pending", "takeover", {"page": 3})
+    assert any(
+        c["run"].id == first.id and isinstance(c["exception"], Interrupted) for c in received["run_interrupted"].calls
+    )
+
+
+def test_a_handler_stopped_by_stop_can_still_save_its_progress_on_the_way_out(sched: Scheduler) -> None:
+    started = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def paging(ctx: Context) -> None:
+        page = 0
+        started.set()
+        while True:
+            if ctx.signal.aborted:  # the seed's pattern: leave a note, then stop
+                ctx.save_progress({"page": page})
+                outcome["saved"] = page
+                ctx.signal.throw_if_aborted()
+            page += 1
+            time.sleep(0.01)
+
+    sched.every("paging", ON_DEMAND, paging)
+    run = sched.run_now("paging")
+    start(sched)
+    assert started.wait(5)
+    time.sleep(0.2)
+    assert sched.stop(timeout=5) is True
+    assert outcome["saved"] > 0
+    first = Run.objects.get(pk=run.pk)
+    assert first.status == "interrupted" and first.progress == {"page": outcome["saved"]}
+    second = Run.objects.get(job="paging", slot=run.slot, attempt=2)
+    assert (second.reason, second.progress) == ("takeover", {"page": outcome["saved"]})
+
+
+def test_an_async_handler_may_call_the_plain_save_progress(sched: Scheduler) -> None:
+    seen: list[Any] = []
+
+    async def resumable(ctx: Context) -> None:
+        ctx.save_progress({"step": 1})
+        await ctx.asave_progress({"step": 2})
+        ctx.save_progress({"step": 3})
+        seen.append(ctx.progress)
+
+    sched.every("resumable", ON_DEMAND, resumable)
+    run = sched.run_now("resumable")
+    start(sched)
+    wait_for(lambda: Run.objects.get(pk=run.pk).status not in ("pending", "running"), 8, what="the run to end")
+    done = Run.objects.get(pk=run.pk)
+    assert (done.status, done.error_message) == ("success", "")
+    assert done.progress == {"step": 3} and seen == [{"step": 3}]
+
+
+def test_a_handler_that_returns_after_stop_counts_as_finished(sched: Scheduler) -> None:
+    started = threading.Event()
+
+    def polite(ctx: Context) -> None:
+        started.set()
+        ctx.signal.wait(30)  # returns (does not raise) once aborted
+
+    sched.every("polite", "1s", polite)
+    start(sched)
+    assert started.wait(5)
+    assert sched.stop(timeout=5) is True
+    [run] = Run.objects.filter(job="polite")
+    assert run.status == "success"
+
+
+def test_stop_hands_over_a_handler_that_outlives_the_grace_period(sched: Scheduler) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def deaf(ctx: Context) -> None:
+        started.set()
+        release.wait(10)
+
+    sched.every("deaf", "1s", deaf)
+    start(sched)
+    assert started.wait(5)
+    try:
+        assert sched.stop(timeout=0.3) is False
+    finally:
+        release.set()
+    first = Run.objects.get(job="deaf", attempt=1)
+    assert first.status == "interrupted"
+    assert Run.objects.get(job="deaf", attempt=2).status == "pending"
+
+
+def test_progress_is_seen_by_the_next_attempt_on_another_instance(sched: Scheduler) -> None:
+    progress_seen: list[Any] = []
+    started = threading.Event()
+
+    def checkpointing(ctx: Context) -> None:
+        progress_seen.append((ctx.attempt, ctx.reason, ctx.progress))
+        started.set()
+        ctx.save_progress({"done": (ctx.progress or {}).get("done", 0) + 5})
+        ctx.sleep(30)
+
+    sched.every("cp", ON_DEMAND, checkpointing)
+    other = Scheduler()
+    other.every("cp", ON_DEMAND, checkpointing)
+    run = sched.run_now("cp")
+    start(sched)
+    assert started.wait(5)
+    started.clear()
+    sched.stop(timeout=5)
+    other.start(instance_id="other")
+    try:
+        assert started.wait(5)
+    finally:
+        other.stop(timeout=2)
+    assert progress_seen[0] == (1, "manual", None)
+    assert progress_seen[1] == (2, "takeover", {"done": 5})
+    assert Run.objects.get(job="cp", slot=run.slot, attempt=2).manual is True
+
+
+def test_signal_receivers_that_raise_are_logged_and_change_nothing(
+    sched: Scheduler, caplog: pytest.LogCaptureFixture
+) -> None:
+    def bad_receiver(sender: Any, **kwargs: Any) -> None:
+        raise RuntimeError("alerting is down")
+
+    signals.run_started.connect(bad_receiver)
+    signals.run_succeeded.connect(bad_receiver)
+    try:
+        # overlap="allow": a run that a slow receiver stretches past the next slot
+        # must not turn that slot into a (correct) skip; this test is about receivers.
+        sched.every("ok", "500ms", lambda ctx: None, overlap="allow")
+        start(sched)
+        runs = finished("ok", 2)
+    finally:
+        signals.run_started.disconnect(bad_receiver)
+        signals.run_succeeded.disconnect(bad_receiver)
+    assert all(r.status == "success" for r in runs)
+    assert "alerting is down" in caplog.text
+
+
+def test_data_precedence_scheduler_then_job_then_run_now(sched: Scheduler) -> None:
+    seen: dict[str, Any] = {}
+
+    def remember(ctx: Context) -> None:
+        seen[f"{ctx.name}:{ctx.reason}"] = ctx.data
+
+    sched.every("plain", ON_DEMAND, remember)
+    sched.every("own", ON_DEMAND, remember, data={"level": "job"})
+    with override_settings(ANARCHON={"LEASE_TTL": 2, "POLL_INTERVAL": 0.2, "DATA": {"level": "scheduler"}}):
+        sched.run_now("plain")
+        sched.run_now("own")
+        sched.run_now("own", data={"level": "run", "ville": "Zürich ✓"})
+        start(sched)
+        wait_for(lambda: Run.objects.filter(status="success").count() == 3, 8, what="three manual runs")
+    runs = {(r.job, r.data.get("ville") is not None): r.data for r in Run.objects.all()}
+    assert runs[("plain", False)] == {"level": "scheduler"}
+    assert runs[("own", False)] == {"level": "job"}
+    assert runs[("own", True)] == {"level": "run", "ville": "Zürich ✓"}
+
+
+def test_async_handlers_run_concurrently_and_can_use_the_orm(sched: Scheduler) -> None:
+    spans: list[tuple[float, float]] = []
+
+    def blocking_orm_work() -> int:
+        time.sleep(0.5)
+        return JobState.objects.count()
+
+    async def handler(ctx: Context) -> None:
+        begin = time.monotonic()
+        await sync_to_async(blocking_orm_work)()
+        spans.append((begin, time.monotonic()))
+
+    for n in range(4):
+        sched.every(f"a{n}", "2s", handler)
+    start(sched)
+    wait_for(lambda: len(spans) >= 4, 10, what="four async runs")
+    latest_start = max(b for b, _ in spans[:4])
+    earliest_end = min(e for _, e in spans[:4])
+    # Each run has its own thread for sync_to_async, so all four overlap.
+    assert latest_start < earliest_end
+
+
+def test_a_paused_job_is_not_run(sched: Scheduler) -> None:
+    sched.every("paused", "500ms", lambda ctx: None)
+    sched.every("active", "500ms", lambda ctx: None)
+    JobState.objects.create(name="paused", paused=True, pause_note="maintenance")
+    start(sched)
+    finished("active", 3)
+    assert not Run.objects.filter(job="paused").exists()
+
+
+def test_run_now_is_picked_up_and_runs_as_manual(sched: Scheduler) -> None:
+    seen: list[Context] = []
+    sched.every("rare", ON_DEMAND, seen.append)
+    start(sched)
+    run = sched.run_now("rare", data=[1, 2, 3])
+    assert run.status == "pending" and run.reason == "manual" and run.manual
+    wait_for(lambda: seen, 5, what="the manual run")
+    assert (seen[0].reason, seen[0].manual, seen[0].data) == ("manual", True, [1, 2, 3])
+    wait_for(lambda: Run.objects.get(pk=run.pk).status == "success", 5, what="the run's record")
+
+
+def test_a_replaced_run_is_aborted_with_interrupted(sched: Scheduler) -> None:
+    reasons: list[str] = []
+
+    def long(ctx: Context) -> None:
+        try:
+            ctx.sleep(30)
+        except Interrupted as error:
+            reasons.append(str(error))
+            raise
+
+    sched.every("rep", "1s", long, overlap="replace")
+    start(sched)
+    wait_for(lambda: reasons, 6, what="the first run to be replaced")
+    assert "replaced" in reasons[0]
+    first = Run.objects.filter(job="rep").order_by("slot").first()
+    assert first.status == "interrupted" and not Run.objects.filter(job="rep", attempt=2).exists()
+
+
+def test_renewals_keep_a_run_alive_longer_than_its_lease(sched: Scheduler) -> None:
+    def long(ctx: Context) -> None:
+        ctx.sleep(4.5)  # well over two leases
+
+    # A lease of 2 s: shorter ones fence spuriously when CI starves this
+    # process of CPU for a second, which is not what this test is about.
+    with override_settings(ANARCHON={"LEASE_TTL": 2.0, "POLL_INTERVAL": 0.2}):
+        sched.every("long", ON_DEMAND, long)
+        run = sched.run_now("long")
+        start(sched)
+        wait_for(lambda: Run.objects.get(pk=run.pk).status not in ("running", "pending"), 10)
+    assert Run.objects.get(pk=run.pk).status == "success"
+    assert Run.objects.filter(job="long").count() == 1, "no takeover happened"
+
+
+def test_a_runner_that_cannot_renew_fences_itself_before_its_lease_expires(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    outcome: dict[str, Any] = {}
+    started = threading.Event()
+
+    def long(ctx: Context) -> None:
+        started.set()
+        begin = time.monotonic()
+        try:
+            ctx.sleep(30)
+        except Interrupted as error:
+            outcome["after"] = time.monotonic() - begin
+            outcome["why"] = str(error)
+            raise
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("server closed the connection unexpectedly")
+
+    with override_settings(ANARCHON={"LEASE_TTL": 1.0, "POLL_INTERVAL": 0.2}):
+        sched.every("long", ON_DEMAND, long)
+        run = sched.run_now("long")
+        start(sched)
+        assert started.wait(5)
+        monkeypatch.setattr(store, "renew", unreachable)
+        wait_for(lambda: outcome, 5, what="the handler to be fenced")
+    assert "could not renew the lease" in outcome["why"]
+    assert outcome["after"] < 1.0, "aborted before the 1 s lease could have expired"
+    assert Run.objects.get(pk=run.pk).status == "running", "nothing recorded by the fenced runner"
+    # Its end still gets an end line with everything SPEC 7 asks of one.
+    ended = wait_for(
+        lambda: [r for r in caplog.records if r.getMessage().startswith("Run ended after it was fenced")],
+        5,
+        what="the end line",
+    )
+    assert f"long slot={run.slot} attempt=1 reason=manual instance=engine-test duration=" in ended[0].getMessage()
+    assert ended[0].duration > 0
+
+
+def test_database_errors_in_the_loop_are_survived(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = store.decide
+    failures = {"left": 3}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OperationalError("the database system is starting up")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "decide", flaky)
+    sched.every("tick", "500ms", lambda ctx: None)
+    start(sched)
+    finished("tick", 2)
+    assert failures["left"] == 0
+    assert caplog.text.count("Database error") == 1, "logged once per outage, not per retry"
+    assert "Database is back" in caplog.text
+
+
+def test_start_refuses_settings_that_break_the_guarantees(sched: Scheduler) -> None:
+    from django_anarchon import SettingsError
+
+    with (
+        override_settings(ANARCHON={"LEASE_TTL": 1, "POLL_INTERVAL": 1}),
+        pytest.raises(SettingsError, match="three POLL_INTERVALs"),
+    ):
+        sched.start()
+    assert not sched.running
+
+
+# -- bad input never stops the scheduler --------------------------------------------------
+
+
+def test_run_now_rejects_unknown_jobs_and_non_json_data_at_the_call(sched: Scheduler) -> None:
+    from django_anarchon import DataNotSerializableError, UnknownJobError
+
+    sched.every("known", ON_DEMAND, lambda ctx: None)
+    with pytest.raises(UnknownJobError, match="No job is named 'nope'. Declared jobs are: 'known'"):
+        sched.run_now("nope")
+    with pytest.raises(LookupError):
+        sched.run_now("nope")
+    with pytest.raises(DataNotSerializableError, match=r"run_now\('known'\).*JSON-serialisable"):
+        sched.run_now("known", data={"when": time})
+    with pytest.raises(TypeError):
+        sched.run_now("known", data={1, 2})
+    assert not Run.objects.exists()
+
+
+def test_arun_now_records_a_pending_manual_run(sched: Scheduler) -> None:
+    import asyncio
+
+    sched.every("known", ON_DEMAND, lambda ctx: None, data={"d": 1})
+    run = asyncio.run(sched.arun_now("known"))
+    assert (run.status, run.reason, run.manual, run.data) == ("pending", "manual", True, {"d": 1})
+
+
+def test_a_handler_returning_a_value_that_is_not_json_still_succeeds(sched: Scheduler) -> None:
+    sched.every("odd", "500ms", lambda ctx: {object(), time})
+    start(sched)
+    assert finished("odd")[0].status == "success"
+
+
+def test_huge_error_messages_and_tracebacks_are_recorded_bounded(sched: Scheduler) -> None:
+    def deep(n: int) -> None:
+        if n == 0:
+            raise RuntimeError("é" * 1_000_000)
+        deep(n - 1)
+
+    sched.every("huge", "500ms", lambda ctx: deep(900))
+    start(sched)
+    [run, *_] = finished("huge")
+    assert run.status == "failed" and run.error_type == "RuntimeError"
+    assert run.error_message.startswith("éééé") and 10_000 <= len(run.error_message) < 10_100
+    assert "more characters" in run.error_message
+    assert len(run.traceback) < 101_000 and "traceback cut" in run.traceback
+
+
+def test_non_ascii_job_names_and_data(sched: Scheduler) -> None:
+    seen: list[Any] = []
+    sched.every("nettoyage-été ✓", "500ms", lambda ctx: seen.append((ctx.name, ctx.data)), data={"ville": "Zürich"})
+    start(sched)
+    [run, *_] = finished("nettoyage-été ✓")
+    assert run.status == "success" and run.data == {"ville": "Zürich"}
+    assert seen[0] == ("nettoyage-été ✓", {"ville": "Zürich"})
+
+
+def test_pause_and_resume_take_effect_cluster_wide_and_the_pause_is_not_caught_up(sched: Scheduler) -> None:
+    sched.every("p", "500ms", lambda ctx: None)
+    start(sched)
+    finished("p", 2)
+    state = JobState.objects.get(name="p")
+    assert state.pause("maintenance by ops")
+    paused_at = time.time()
+    time.sleep(2.0)
+    late = Run.objects.filter(job="p", scheduled_at__gt=store.slot_datetime(int((paused_at + 0.3) * 1000)))
+    assert not late.exists(), "a slot ran after the pause took effect"
+    assert state.resume()
+    resumed = time.time()
+    wait_for(
+        lambda: Run.objects.filter(job="p", status="success", slot__gte=int(resumed * 1000)).exists(),
+        5,
+        what="a run after the resume",
+    )
+    assert not Run.objects.filter(job="p", reason="catch-up").exists()
+    assert not Run.objects.filter(job="p", status="missed").exists()
+
+
+def test_the_scheduler_prunes_old_history_itself(sched: Scheduler) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    old = Run.objects.create(
+        job="gone",
+        slot=1,
+        status="success",
+        reason="scheduled",
+        scheduled_at=timezone.now(),
+        finished_at=timezone.now() - timedelta(days=3),
+    )
+    recent = Run.objects.create(
+        job="gone",
+        slot=2,
+        status="success",
+        reason="scheduled",
+        scheduled_at=timezone.now(),
+        finished_at=timezone.now() - timedelta(hours=1),
+    )
+    sched.every("x", ON_DEMAND, lambda ctx: None)
+    with override_settings(ANARCHON={"LEASE_TTL": 2, "POLL_INTERVAL": 0.2, "HISTORY_RETENTION": "1d"}):
+        start(sched)
+        wait_for(lambda: not Run.objects.filter(pk=old.pk).exists(), 5, what="the old run to be pruned")
+    assert Run.objects.filter(pk=recent.pk).exists()
+
+
+def test_retried_slots_do_not_leave_stale_entries_in_the_heap(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = store.decide
+    failures = {"left": 5}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OperationalError("connection refused")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "decide", flaky)
+    for n in range(3):
+        sched.every(f"t{n}", "500ms", lambda ctx: None)
+    start(sched)
+    finished("t0", 3)
+    engine = sched._engine
+    assert engine is not None
+    live = [entry for entry in engine._heap if engine._entry[entry[2]] == entry[1]]
+    assert len(live) == 3, "one live entry per job"
+    assert len(engine._heap) <= 3 + 5 * 3, "stale entries are dropped as they surface, not multiplied"
+    time.sleep(1.5)
+    assert len(engine._heap) <= 6
+
+
+def test_handlers_start_at_their_slot_never_before_even_when_claimed_ahead(sched: Scheduler) -> None:
+    starts: list[tuple[int, float]] = []
+    for n in range(20):
+        sched.every(f"on-time-{n}", "500ms", lambda ctx: starts.append((ctx.slot, time.time())))
+    start(sched)
+    wait_for(lambda: len(starts) >= 60, 10, what="sixty runs")
+    engine = sched._engine
+    assert engine is not None and engine.claim_ahead_ms >= 5
+    assert all(started >= slot / 1000 for slot, started in starts), "a handler started before its slot"
+    rows = list(Run.objects.filter(job__startswith="on-time-", status="success"))
+    assert rows and all(r.started_at >= r.scheduled_at for r in rows)
+
+
+def test_claiming_ahead_does_not_skip_the_slot_after_a_run_that_ends_just_in_time(sched: Scheduler) -> None:
+    def nearly_the_interval(ctx: Context) -> None:
+        time.sleep(0.4)  # of a 500 ms interval
+
+    sched.every("snug", "500ms", nearly_the_interval)
+    start(sched)
+    engine = sched._engine
+    assert engine is not None
+    engine._claim_ms = 150.0  # claims 90-150 ms ahead: while the previous run still runs
+    runs = finished("snug", 8, timeout=10)
+    statuses = [r.status for r in runs[2:]]  # the first starts late, at start-up, and may overrun the second
+    assert statuses and "skipped" not in statuses, statuses

@@ -1,0 +1,187 @@
+"""The distributed guarantees, shown with real `manage.py anarchon` processes.
+
+Every test runs on whichever database the tox environment selects (SQLite,
+PostgreSQL or MariaDB). Settings for the children: LEASE_TTL 2 s, POLL_INTERVAL
+0.2 s (see tests/settings.py), so that takeovers happen within seconds.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from django_anarchon.models import Run
+from tests.conftest import Cluster, report, wait_for
+from tests.testapp.models import Execution
+
+pytestmark = [pytest.mark.process, pytest.mark.django_db(transaction=True)]
+
+TTL = 2.0
+POLL = 0.2
+
+
+def runs(job: str) -> list[Run]:
+    return list(Run.objects.filter(job=job).order_by("slot", "attempt"))
+
+
+def running_run(job: str) -> Run | None:
+    return Run.objects.filter(job=job, status="running").order_by("-id").first()
+
+
+def test_three_instances_run_every_slot_exactly_once(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "tick", "every": "1s", "kind": "record"}]
+    nodes = [cluster.start(f"node-{i}") for i in range(3)]
+    cluster.wait_ready(*nodes)
+    begin = time.time()
+    time.sleep(10.5)
+    end = time.time()
+    for node in nodes:
+        node.signal(signal.SIGTERM)
+    codes = [node.wait(30) for node in nodes]
+    assert codes == [0, 0, 0], cluster.logs()
+
+    expected = set(range(int(begin) + 1, int(end)))  # whole seconds fully inside the window
+    assert len(expected) >= 9
+    rows = [r for r in runs("tick") if r.slot // 1000 in expected]
+    by_slot = Counter(r.slot // 1000 for r in rows)
+    assert set(by_slot) == expected, f"missing slots: {sorted(expected - set(by_slot))}"
+    assert all(count == 1 for count in by_slot.values()), f"slots claimed twice: {by_slot}"
+    assert all(r.status == "success" and r.attempt == 1 and r.reason == "scheduled" for r in rows)
+    started = Counter((e.slot, e.attempt) for e in Execution.objects.filter(job="tick", event="start"))
+    assert started and max(started.values()) == 1, "a handler ran twice for one attempt"
+    assert {e.slot // 1000 for e in Execution.objects.filter(job="tick")} >= expected
+    # Every instance took part: the race is real, not one node doing everything.
+    assert len({r.instance_id for r in rows}) >= 2
+
+
+def _start_long_job(cluster: Cluster, kind: str = "sleep", seconds: float = 30.0) -> tuple[Run, dict[str, object]]:
+    cluster.jobs = [{"name": "long", "every": "1s", "kind": kind, "seconds": seconds}]
+    nodes = {name: cluster.start(name) for name in ("a", "b", "c")}
+    cluster.wait_ready(*nodes.values())
+    run = wait_for(lambda: running_run("long"), 10, what="a running run")
+    # The row says running from the claim, a little ahead of the slot; wait for the
+    # handler itself to have started.
+    wait_for(
+        lambda: Execution.objects.filter(job="long", slot=run.slot, attempt=1, event="start").exists(),
+        10,
+        what="the handler to start",
+    )
+    return run, nodes
+
+
+def test_sigkill_of_the_runner_is_taken_over_within_lease_plus_poll(cluster: Cluster) -> None:
+    run, nodes = _start_long_job(cluster)
+    victim = nodes[run.instance_id]
+    time.sleep(0.5)
+    killed_at = time.time()
+    victim.signal(signal.SIGKILL)
+    second = wait_for(
+        lambda: Run.objects.filter(job="long", slot=run.slot, attempt=2).first(), TTL + 10, what="attempt 2"
+    )
+    assert second.reason == "takeover"
+    assert second.instance_id != run.instance_id
+    assert second.status == "running"
+    first = Run.objects.get(pk=run.pk)
+    assert first.status == "interrupted"
+    delay = second.started_at.timestamp() - killed_at
+    # Lease expiry is judged by the database clock; the takeover comes within
+    # LEASE_TTL plus one poll (plus slack for a loaded CI machine).
+    assert delay <= TTL + POLL + 1.5, f"takeover took {delay:.2f}s"
+    wait_for(
+        lambda: Execution.objects.filter(job="long", slot=run.slot, attempt=2, event="start").exists(),
+        10,
+        what="attempt 2's handler to start",
+    )
+    starts = Execution.objects.filter(job="long", slot=run.slot, event="start")
+    assert sorted(e.attempt for e in starts) == [1, 2]
+    report("sigkill_takeover", {"takeover_s": round(delay, 2), "lease_ttl_s": TTL, "poll_interval_s": POLL})
+
+
+def test_sigterm_hands_the_run_over_and_exits_zero(cluster: Cluster) -> None:
+    run, nodes = _start_long_job(cluster)
+    victim = nodes[run.instance_id]
+    time.sleep(0.5)
+    stopped_at = time.time()
+    victim.signal(signal.SIGTERM)
+    assert victim.wait(20) == 0, victim.output()
+    second = wait_for(
+        lambda: Run.objects.filter(job="long", slot=run.slot, attempt=2, status="running").first(),
+        10,
+        what="attempt 2 running",
+    )
+    assert second.reason == "takeover"
+    assert second.instance_id != run.instance_id
+    first = Run.objects.get(pk=run.pk)
+    assert first.status == "interrupted"
+    assert "stop()" in first.detail
+    aborted = Execution.objects.get(job="long", slot=run.slot, attempt=1, event="aborted")
+    assert "Interrupted" in aborted.note
+    delay = second.started_at.timestamp() - stopped_at
+    assert delay <= POLL + 1.5, f"hand-over took {delay:.2f}s"
+    report("sigterm_hand_over", {"hand_over_s": round(delay, 2), "poll_interval_s": POLL, "exit_code": 0})
+
+
+def test_sigstop_past_the_lease_is_taken_over_and_the_late_end_changes_nothing(cluster: Cluster) -> None:
+    # A stubborn handler ignores its signal: it ends on its own 5 s after starting,
+    # after the freeze, and then tries to record success.
+    run, nodes = _start_long_job(cluster, kind="stubborn", seconds=5.0)
+    frozen = nodes[run.instance_id]
+    frozen.signal(signal.SIGSTOP)
+    try:
+        second = wait_for(
+            lambda: Run.objects.filter(job="long", slot=run.slot, attempt=2).first(), TTL + 10, what="attempt 2"
+        )
+        assert second.reason == "takeover" and second.instance_id != run.instance_id
+        snapshot = Run.objects.get(pk=run.pk)
+        assert snapshot.status == "interrupted"
+    finally:
+        frozen.signal(signal.SIGCONT)
+    # The frozen handler wakes, finishes its sleep and returns; its process learns it lost the lease.
+    wait_for(
+        lambda: Execution.objects.filter(job="long", slot=run.slot, attempt=1, event="end").exists(),
+        15,
+        what="the frozen handler to end",
+    )
+    ended = Execution.objects.get(job="long", slot=run.slot, attempt=1, event="end")
+    assert ended.note == "aborted=True", "the frozen handler's signal did not abort"
+    time.sleep(1.0)  # give a wrong write every chance to land
+    after = Run.objects.get(pk=run.pk)
+    assert (after.status, after.finished_at, after.detail) == (snapshot.status, snapshot.finished_at, snapshot.detail)
+    second_now = Run.objects.get(pk=second.pk)
+    assert second_now.instance_id == second.instance_id and second_now.status in ("running", "success")
+    assert "Fenced" in frozen.output() or "Lost" in frozen.output(), frozen.output()
+    assert frozen.alive()
+
+
+def test_whole_cluster_down_over_slots_catches_up_the_latest_once(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "every2", "every": "2s", "kind": "record"}]
+    first = cluster.start("solo")
+    cluster.wait_ready(first)
+    wait_for(lambda: Run.objects.filter(job="every2", status="success").exists(), 10, what="a first run")
+    first.signal(signal.SIGTERM)
+    assert first.wait(20) == 0
+    down_from = max(r.slot for r in runs("every2"))
+    time.sleep(7)
+    restarted = [cluster.start("again-1"), cluster.start("again-2")]
+    cluster.wait_ready(*restarted)
+    catch_ups = wait_for(lambda: list(Run.objects.filter(job="every2", reason="catch-up")), 10, what="a catch-up run")
+    time.sleep(1.0)
+    catch_ups = list(Run.objects.filter(job="every2", reason="catch-up"))
+    assert len(catch_ups) == 1, catch_ups
+    caught = catch_ups[0]
+    assert caught.status == "success"
+    missed = list(Run.objects.filter(job="every2", status="missed"))
+    assert len(missed) == 1 and missed[0].slot < caught.slot
+    # The catch-up ran the newest slot that nobody ran while the cluster was down.
+    scheduled_after = [
+        r.slot for r in runs("every2") if r.slot > down_from and r.reason == "scheduled" and r.status != "missed"
+    ]
+    assert caught.slot > down_from
+    assert all(slot > caught.slot for slot in scheduled_after)
+    assert missed[0].slot == caught.slot - 2000
+    gap = (caught.slot - down_from) // 2000 - 1  # slots between the last run and the catch-up
+    assert missed[0].detail.startswith(f"{gap} slot(s) missed"), missed[0].detail
+    assert Execution.objects.filter(job="every2", slot=caught.slot, reason="catch-up").count() == 1

@@ -1,0 +1,491 @@
+"""The queries that decide ownership, tested against the real database.
+
+Times are injected: slots are chosen by the test, and leases are made to expire
+by claiming with a lease of a few milliseconds. Concurrency tests use threads,
+each with its own database connection, released together by a barrier.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connections
+from django.utils import timezone
+
+from django_anarchon import Scheduler, store
+from django_anarchon.models import JobState, Run
+from django_anarchon.registry import Job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SLOT = 1_800_000_000_000  # 2027-01-15 08:00:00 UTC, a multiple of every interval used here
+TTL = 30.0
+
+
+def make_job(name: str = "job", every: str = "1s", **options: Any) -> Job:
+    scheduler = Scheduler()
+    scheduler.every(name, every, lambda ctx: None, **options)
+    return scheduler.job(name)
+
+
+def decide(
+    claims: list[store.Claim], catch_ups: list[store.CatchUp] = (), owner: str = "me", **kw: Any
+) -> store.Outcome:
+    kw.setdefault("ttl", TTL)
+    kw.setdefault("capacity", 100)
+    return store.decide(claims, catch_ups, owner=owner, instance_id=f"i-{owner}", **kw)
+
+
+def expire(run: Run) -> None:
+    Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=5))
+
+
+def race(count: int, action: Callable[[int], Any]) -> list[Any]:
+    """Run ``action(i)`` in ``count`` threads released at once; return their results."""
+    barrier = threading.Barrier(count)
+    results: list[Any] = [None] * count
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        try:
+            barrier.wait()
+            results[index] = action(index)
+        except BaseException as error:  # noqa: B036 - reported below
+            errors.append(error)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results
+
+
+# -- claiming scheduled slots ----------------------------------------------------------------
+
+
+def test_a_claim_inserts_a_running_row_with_a_lease_on_the_database_clock() -> None:
+    job = make_job(data={"k": 1})
+    outcome = decide([store.Claim(job, SLOT)])
+    [run] = outcome.won
+    assert (run.job, run.slot, run.attempt, run.status, run.reason) == ("job", SLOT, 1, "running", "scheduled")
+    assert run.owner == "me" and run.instance_id == "i-me" and run.data == {"k": 1}
+    assert run.scheduled_at == store.slot_datetime(SLOT)
+    db_now = store.database_time()
+    assert db_now + timedelta(seconds=TTL - 2) < run.lease_expires_at <= db_now + timedelta(seconds=TTL)
+    assert JobState.objects.filter(name="job").exists()
+
+
+def test_a_slot_already_decided_is_left_alone() -> None:
+    job = make_job()
+    assert decide([store.Claim(job, SLOT)], owner="a").won
+    second = decide([store.Claim(job, SLOT)], owner="b")
+    assert second.won == [] and second.skipped == []
+    assert Run.objects.count() == 1
+
+
+@pytest.mark.parametrize("contenders", [8])
+def test_exactly_one_winner_among_concurrent_claimers(contenders: int) -> None:
+    jobs = [make_job(f"job-{n}", overlap="allow") for n in range(5)]
+    claims = [store.Claim(job, SLOT + k * 1000) for job in jobs for k in range(3)]
+    outcomes = race(contenders, lambda i: decide(claims, owner=f"o{i}"))
+    won = [(r.job, r.slot) for outcome in outcomes for r in outcome.won]
+    assert sorted(won) == sorted((c.job.name, c.slot) for c in claims), "every slot won exactly once"
+    assert Run.objects.count() == len(claims)
+
+
+def test_default_data_is_used_when_the_job_has_none() -> None:
+    outcome = decide([store.Claim(make_job(), SLOT)], default_data={"scheduler": True})
+    assert outcome.won[0].data == {"scheduler": True}
+
+
+def test_a_paused_job_is_neither_run_nor_recorded() -> None:
+    job = make_job()
+    JobState.objects.create(name="job", paused=True)
+    outcome = decide([store.Claim(job, SLOT)])
+    assert outcome.won == [] and Run.objects.count() == 0
+
+
+def test_claims_beyond_capacity_are_deferred_and_left_for_others() -> None:
+    jobs = [make_job(f"j{n}") for n in range(3)]
+    outcome = decide([store.Claim(j, SLOT) for j in jobs], capacity=1)
+    assert len(outcome.won) == 1 and len(outcome.deferred) == 2
+    other = decide(outcome.deferred, owner="other")
+    assert len(other.won) == 2
+
+
+# -- overlap -----------------------------------------------------------------------------------
+
+
+def test_skip_records_a_skipped_slot_while_the_previous_run_runs() -> None:
+    job = make_job(overlap="skip")
+    first = decide([store.Claim(job, SLOT)]).won[0]
+    outcome = decide([store.Claim(job, SLOT + 1000)], owner="b")
+    assert outcome.won == []
+    [skipped] = outcome.skipped
+    assert skipped.status == "skipped" and skipped.slot == SLOT + 1000 and skipped.finished_at is not None
+    assert "still running" in skipped.detail and first.instance_id in skipped.detail
+    store.finish(first.id, owner="me", status="success")
+    assert decide([store.Claim(job, SLOT + 2000)]).won, "free again once the run ended"
+
+
+def test_skip_also_waits_for_a_run_whose_lease_expired_until_it_is_taken_over() -> None:
+    job = make_job(overlap="skip")
+    first = decide([store.Claim(job, SLOT)]).won[0]
+    expire(first)
+    assert decide([store.Claim(job, SLOT + 1000)]).skipped
+
+
+def test_allow_runs_every_slot_even_concurrently() -> None:
+    job = make_job(overlap="allow")
+    decide([store.Claim(job, SLOT)])
+    outcome = decide([store.Claim(job, SLOT + 1000)], owner="b")
+    assert len(outcome.won) == 1
+    assert Run.objects.filter(status="running").count() == 2
+
+
+def test_queue_keeps_at_most_one_waiting_slot() -> None:
+    job = make_job(overlap="queue")
+    first = decide([store.Claim(job, SLOT)]).won[0]
+    queued = decide([store.Claim(job, SLOT + 1000)], owner="b")
+    assert queued.won == [] and queued.skipped == []
+    waiting = Run.objects.get(slot=SLOT + 1000)
+    assert waiting.status == "pending" and waiting.owner == "" and "queued behind" in waiting.detail
+    third = decide([store.Claim(job, SLOT + 2000)], owner="c")
+    assert [r.slot for r in third.skipped] == [SLOT + 2000]
+    # The queued slot starts as soon as the running one ends.
+    store.finish(first.id, owner="me", status="success")
+    claimed = store.claim_pending(store.poll(), {"job": job}, owner="d", instance_id="i-d", ttl=TTL, capacity=10)
+    assert [r.slot for r in claimed.won] == [SLOT + 1000]
+
+
+def test_replace_interrupts_the_running_run_and_runs_the_new_slot() -> None:
+    job = make_job(overlap="replace")
+    first = decide([store.Claim(job, SLOT)]).won[0]
+    outcome = decide([store.Claim(job, SLOT + 1000)], owner="b")
+    assert [r.slot for r in outcome.won] == [SLOT + 1000]
+    assert [r.id for r in outcome.interrupted] == [first.id]
+    old = Run.objects.get(pk=first.pk)
+    assert old.status == "interrupted" and "replaced" in old.detail
+    # Not handed over: no attempt 2, and the replaced owner can no longer record anything.
+    assert not Run.objects.filter(slot=SLOT, attempt=2).exists()
+    assert store.finish(first.id, owner="me", status="success") is False
+    held, lost = store.renew([first.id], owner="me", ttl=TTL)
+    assert held == set() and [r.id for r in lost] == [first.id]
+
+
+# -- catch-up ------------------------------------------------------------------------------
+
+
+def _ran(job: Job, slot: int) -> None:
+    run = decide([store.Claim(job, slot)]).won[0]
+    store.finish(run.id, owner="me", status="success")
+
+
+def test_catch_up_latest_runs_the_newest_missed_slot_and_records_the_rest() -> None:
+    job = make_job(every="10s")
+    _ran(job, SLOT)
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 50_000)], owner="back")
+    [run] = outcome.won
+    assert (run.slot, run.reason, run.status) == (SLOT + 50_000, "catch-up", "running")
+    [missed] = outcome.missed
+    assert missed.status == "missed" and missed.slot == SLOT + 40_000
+    assert missed.detail.startswith("4 slot(s) missed from ")
+    assert JobState.objects.get(name="job").missed_count == 4
+    # A second instance evaluating the same window finds nothing left to do.
+    again = decide([], [store.CatchUp(job, until=SLOT + 50_000)], owner="late")
+    assert again.won == [] and again.missed == []
+    assert JobState.objects.get(name="job").missed_count == 4
+
+
+def test_catch_up_all_runs_every_missed_slot_in_order_one_at_a_time() -> None:
+    job = make_job(every="10s", catch_up="all")
+    _ran(job, SLOT)
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 30_000)])
+    assert [r.slot for r in outcome.won] == [SLOT + 10_000]
+    waiting = list(Run.objects.filter(status="pending").order_by("slot"))
+    assert [(r.slot, r.reason) for r in waiting] == [(SLOT + 20_000, "catch-up"), (SLOT + 30_000, "catch-up")]
+    store.finish(outcome.won[0].id, owner="me", status="success")
+    nxt = store.claim_pending(store.poll(), {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=10)
+    assert [r.slot for r in nxt.won] == [SLOT + 20_000], "oldest first, one at a time"
+
+
+def test_catch_up_all_is_bounded_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    job = make_job(every="1s", catch_up="all")
+    _ran(job, SLOT)
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 150_000)])
+    assert len(outcome.won) == 1
+    assert Run.objects.filter(reason="catch-up").count() == store.CATCH_UP_LIMIT
+    assert Run.objects.filter(reason="catch-up").order_by("slot").first().slot == SLOT + 51_000
+    [missed] = outcome.missed
+    assert missed.detail.startswith("50 slot(s) missed")
+    assert "missed 150 slots" in caplog.text
+
+
+def test_catch_up_none_runs_nothing_but_counts_and_records_the_missed_slots() -> None:
+    job = make_job(every="10s", catch_up="none")
+    _ran(job, SLOT)
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 30_000)])
+    assert outcome.won == []
+    [missed] = outcome.missed
+    assert missed.slot == SLOT + 30_000 and missed.detail.startswith("3 slot(s) missed")
+    assert JobState.objects.get(name="job").missed_count == 3
+
+
+def test_a_job_that_never_ran_has_nothing_to_catch_up() -> None:
+    job = make_job(every="10s")
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 30_000)])
+    assert outcome.won == [] and outcome.missed == [] and Run.objects.count() == 0
+
+
+def test_slots_of_a_paused_period_are_not_caught_up_after_resume() -> None:
+    job = make_job(every="10s")
+    _ran(job, SLOT)
+    resumed = store.slot_datetime(SLOT + 35_000)
+    JobState.objects.filter(name="job").update(paused=False, resumed_at=resumed)
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 50_000)])
+    assert [r.slot for r in outcome.won] == [SLOT + 50_000]
+    assert outcome.missed[0].detail.startswith("1 slot(s) missed from ")  # only 40_000, after the resume
+
+
+def test_manual_runs_do_not_count_as_the_last_scheduled_slot() -> None:
+    job = make_job(every="10s")
+    _ran(job, SLOT)
+    store.create_manual("job", None, slot=SLOT + 45_000)
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 50_000)])
+    assert [r.slot for r in outcome.won] == [SLOT + 50_000]
+
+
+# -- leases, takeover, hand-over ------------------------------------------------------
+
+
+def test_take_over_needs_an_expired_lease() -> None:
+    run = decide([store.Claim(make_job(), SLOT)]).won[0]
+    assert store.take_over(run, owner="b", instance_id="i-b", ttl=TTL, start=True) is None
+    expire(run)
+    old, new = store.take_over(run, owner="b", instance_id="i-b", ttl=TTL, start=True)
+    assert old.status == "interrupted" and "stopped renewing" in old.detail
+    assert (new.slot, new.attempt, new.reason, new.status, new.owner) == (SLOT, 2, "takeover", "running", "b")
+
+
+def test_concurrent_takeovers_have_one_winner() -> None:
+    run = decide([store.Claim(make_job(), SLOT)]).won[0]
+    expire(run)
+    results = race(8, lambda i: store.take_over(run, owner=f"b{i}", instance_id="x", ttl=TTL, start=True))
+    assert sum(r is not None for r in results) == 1
+    assert Run.objects.filter(slot=SLOT).count() == 2
+
+
+def test_an_expired_lease_is_never_revived_and_its_owner_records_nothing() -> None:
+    run = decide([store.Claim(make_job(), SLOT)]).won[0]
+    expire(run)
+    held, lost = store.renew([run.id], owner="me", ttl=TTL)
+    assert held == set() and [r.id for r in lost] == [run.id]
+    assert store.finish(run.id, owner="me", status="success") is False
+    assert store.save_progress(run.id, {"page": 3}, owner="me", ttl=TTL) is False
+    assert Run.objects.get(pk=run.pk).status == "running"  # left for a backup to take over
+
+
+def test_renewal_and_takeover_race_has_one_outcome() -> None:
+    """Many rounds of a renewal racing a takeover right at expiry: never both win."""
+    job = make_job(overlap="allow")
+    for round_ in range(15):
+        run = decide([store.Claim(job, SLOT + round_ * 1000)], ttl=0.05).won[0]
+        time.sleep(0.045)
+
+        def act(i: int, run: Run = run) -> Any:
+            if i == 0:
+                return store.renew([run.id], owner="me", ttl=TTL)[0]
+            return store.take_over(run, owner="b", instance_id="i-b", ttl=TTL, start=True)
+
+        renewed, taken = race(2, act)
+        fresh = Run.objects.get(pk=run.pk)
+        if renewed:
+            assert taken is None and fresh.status == "running"
+        else:
+            assert fresh.status in ("running", "interrupted")
+            if taken is not None:
+                assert fresh.status == "interrupted"
+        if fresh.status == "running" and not renewed:
+            store.take_over(run, owner="b", instance_id="i-b", ttl=TTL, start=False)
+        assert not (renewed and taken)
+
+
+def test_owner_writes_need_the_token() -> None:
+    run = decide([store.Claim(make_job(), SLOT)]).won[0]
+    assert store.finish(run.id, owner="someone-else", status="success") is False
+    assert store.save_progress(run.id, 1, owner="someone-else", ttl=TTL) is False
+    assert store.save_progress(run.id, {"page": 2}, owner="me", ttl=TTL) is True
+    assert Run.objects.get(pk=run.pk).progress == {"page": 2}
+    assert store.finish(run.id, owner="me", status="failed", error_type="ValueError", error_message="x") is True
+    done = Run.objects.get(pk=run.pk)
+    assert (done.status, done.error_type, done.lease_expires_at) == ("failed", "ValueError", None)
+
+
+def test_hand_over_leaves_the_next_attempt_pending_with_data_and_progress() -> None:
+    job = make_job()
+    manual = store.create_manual("job", {"m": 1}, slot=SLOT)
+    [run] = store.claim_pending([manual], {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=1).won
+    store.save_progress(run.id, {"page": 7}, owner="me", ttl=TTL)
+    old, new = store.hand_over(run.id, owner="me", detail="stopping")
+    assert old.status == "interrupted" and old.detail == "stopping"
+    assert (new.attempt, new.status, new.reason, new.manual) == (2, "pending", "takeover", True)
+    assert (new.data, new.progress, new.owner) == ({"m": 1}, {"page": 7}, "")
+    assert store.hand_over(run.id, owner="me", detail="again") is None
+    [third] = store.claim_pending(store.poll(), {"job": job}, owner="b", instance_id="ib", ttl=TTL, capacity=1).won
+    assert (third.attempt, third.owner, third.progress) == (2, "b", {"page": 7})
+
+
+def test_a_handed_over_attempt_keeps_the_job_busy_for_skip() -> None:
+    job = make_job(overlap="skip")
+    run = decide([store.Claim(job, SLOT)]).won[0]
+    store.hand_over(run.id, owner="me", detail="stopping")
+    assert decide([store.Claim(job, SLOT + 1000)]).skipped
+
+
+# -- pending runs --------------------------------------------------------------------------
+
+
+def test_a_manual_run_waits_while_the_job_runs_under_skip() -> None:
+    job = make_job(overlap="skip")
+    first = decide([store.Claim(job, SLOT)]).won[0]
+    manual = store.create_manual("job", None, slot=SLOT + 500)
+    assert store.claim_pending([manual], {"job": job}, owner="b", instance_id="ib", ttl=TTL, capacity=5).won == []
+    store.finish(first.id, owner="me", status="success")
+    [won] = store.claim_pending([manual], {"job": job}, owner="b", instance_id="ib", ttl=TTL, capacity=5).won
+    assert won.id == manual.id and won.reason == "manual" and won.manual
+
+
+def test_concurrent_pending_claims_have_one_winner() -> None:
+    job = make_job(overlap="allow")
+    manual = store.create_manual("job", None, slot=SLOT)
+    results = race(
+        8, lambda i: store.claim_pending([manual], {"job": job}, owner=f"o{i}", instance_id="x", ttl=TTL, capacity=5)
+    )
+    assert sum(len(r.won) for r in results) == 1
+
+
+def test_pending_catch_up_of_a_paused_job_is_skipped_but_manual_runs_still_run() -> None:
+    job = make_job(every="10s", catch_up="all")
+    _ran(job, SLOT)
+    decide([], [store.CatchUp(job, until=SLOT + 30_000)])
+    Run.objects.filter(status="running").update(status="success")
+    JobState.objects.filter(name="job").update(paused=True)
+    manual = store.create_manual("job", None, slot=SLOT + 31_000)
+    outcome = store.claim_pending(store.poll(), {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=5)
+    assert [r.id for r in outcome.won] == [manual.id]
+    assert sorted(r.slot for r in outcome.skipped) == [SLOT + 20_000, SLOT + 30_000]
+
+
+def test_manual_runs_in_the_same_millisecond_get_distinct_slots() -> None:
+    first = store.create_manual("job", None, slot=SLOT)
+    second = store.create_manual("job", None, slot=SLOT)
+    assert (first.slot, second.slot) == (SLOT, SLOT + 1)
+
+
+def test_claim_manual_waits_under_skip_and_replaces_under_replace() -> None:
+    skip = make_job("s", overlap="skip")
+    decide([store.Claim(skip, SLOT)])
+    assert store.claim_manual(skip, None, SLOT + 5, owner="me", instance_id="i", ttl=TTL) is None
+    replace = make_job("r", overlap="replace")
+    old = decide([store.Claim(replace, SLOT)]).won[0]
+    run = store.claim_manual(replace, {"x": 1}, SLOT, owner="me", instance_id="i", ttl=TTL)
+    assert run is not None and run.slot == SLOT + 1 and run.status == "running" and run.reason == "manual"
+    assert Run.objects.get(pk=old.pk).status == "interrupted"
+
+
+# -- housekeeping ----------------------------------------------------------------------
+
+
+def test_prune_deletes_only_old_finished_runs() -> None:
+    job = make_job(overlap="allow")
+    old = decide([store.Claim(job, SLOT)]).won[0]
+    store.finish(old.id, owner="me", status="success")
+    Run.objects.filter(pk=old.pk).update(finished_at=timezone.now() - timedelta(days=10))
+    recent = decide([store.Claim(job, SLOT + 1000)]).won[0]
+    store.finish(recent.id, owner="me", status="success")
+    running = decide([store.Claim(job, SLOT + 2000)]).won[0]
+    assert store.prune(retention=7 * 86400) == 1
+    assert set(Run.objects.values_list("id", flat=True)) == {recent.id, running.id}
+
+
+def test_a_job_whose_whole_history_was_pruned_still_catches_up() -> None:
+    # A monthly job with a week's retention: by its next slot no run is on record.
+    job = make_job(every="10s")
+    _ran(job, SLOT)
+    _ran(job, SLOT + 10_000)
+    manual = store.claim_manual(job, None, SLOT + 15_000, owner="me", instance_id="i", ttl=TTL)
+    assert manual is not None
+    store.finish(manual.id, owner="me", status="success")
+    Run.objects.update(finished_at=timezone.now() - timedelta(days=10))
+    assert store.prune(retention=7 * 86400) == 3
+    assert not Run.objects.exists()
+    # The newest scheduled slot, not the later manual one, is the floor.
+    assert JobState.objects.get(name="job").pruned_slot == SLOT + 10_000
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 40_000)], owner="back")
+    [run] = outcome.won
+    assert (run.slot, run.reason) == (SLOT + 40_000, "catch-up")
+    [missed] = outcome.missed
+    assert missed.detail.startswith("2 slot(s) missed from ")
+
+
+def test_pruning_never_moves_the_catch_up_floor_back() -> None:
+    job = make_job(every="10s")
+    _ran(job, SLOT)
+    JobState.objects.filter(name="job").update(pruned_slot=SLOT + 90_000)
+    Run.objects.update(finished_at=timezone.now() - timedelta(days=10))
+    assert store.prune(retention=7 * 86400) == 1
+    assert JobState.objects.get(name="job").pruned_slot == SLOT + 90_000
+
+
+def test_instances_register_heartbeat_and_unregister() -> None:
+    store.register_instance("tok", "node-1", "host", 42)
+    store.heartbeat("tok", "node-1", "host", 42)
+    from django_anarchon.models import Instance
+
+    assert Instance.objects.get(token="tok").instance_id == "node-1"
+    store.unregister_instance("tok")
+    store.heartbeat("tok", "node-1", "host", 42)  # re-registers if pruned meanwhile
+    assert Instance.objects.filter(token="tok").exists()
+
+
+def test_skip_locked_leaves_a_job_held_elsewhere_undecided_instead_of_waiting() -> None:
+    from django.db import transaction
+
+    job = make_job()
+    JobState.objects.create(name="job")
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_job() -> None:
+        with transaction.atomic():
+            store._lock_jobs(["job"])
+            held.set()
+            release.wait(5)
+        connections.close_all()
+
+    holder = threading.Thread(target=hold_the_job)
+    holder.start()
+    assert held.wait(5)
+    try:
+        if connections["default"].vendor == "sqlite":
+            # SQLite has one write lock and no SKIP LOCKED: the claim waits for it, then wins.
+            threading.Timer(0.3, release.set).start()
+            outcome = decide([store.Claim(job, SLOT)], skip_locked=True)
+            assert outcome.busy == [] and len(outcome.won) == 1
+        else:
+            outcome = decide([store.Claim(job, SLOT)], skip_locked=True)
+            assert outcome.busy == ["job"] and outcome.won == [] and not Run.objects.exists()
+            release.set()
+            holder.join(5)
+            assert len(decide([store.Claim(job, SLOT)], skip_locked=True).won) == 1
+    finally:
+        release.set()
+        holder.join(5)
