@@ -24,7 +24,6 @@ import asyncio
 import heapq
 import itertools
 import logging
-import math
 import os
 import random
 import socket
@@ -51,6 +50,19 @@ logger = logging.getLogger("django_anarchon")
 T = TypeVar("T")
 _FAILED: Any = object()
 BUSY_RETRY_MS = 20
+
+
+def clock_offset(samples: Iterable[tuple[float, float]]) -> float:
+    """The database clock minus this host's, in ms, from ``(round trip, offset)`` samples.
+
+    Estimated like NTP: the sample with the shortest round trip. An offset within
+    its uncertainty (half the round trip, plus a millisecond) is noise on a host
+    whose clock agrees with the database's and counts as zero; a larger one is used
+    as measured, not shrunk toward zero, so that a skewed host is neither early nor
+    late by a systematic margin and races its peers for slots on equal terms.
+    """
+    rtt, offset = min(samples)
+    return offset if abs(offset) > rtt / 2 + 1.0 else 0.0
 
 
 class Engine:
@@ -362,10 +374,8 @@ class Engine:
     def _measure_clock(self, samples: int = 1) -> None:
         """Align slot timing to the database clock, so that a skewed host still fires on time.
 
-        Estimated like NTP: of the recent samples, the one with the shortest round
-        trip; its offset is shrunk toward zero by its uncertainty (half the round
-        trip, plus a millisecond), so that measurement noise on a host whose clock
-        agrees with the database's never makes a handler start early.
+        Measured at start and every few seconds; :func:`clock_offset` estimates the
+        offset from the recent samples.
         """
         if connections[store.alias()].vendor == "sqlite":
             return  # the same host's clock
@@ -377,9 +387,7 @@ class Engine:
                 return
             self._clock_samples.append(((after - before) * 1000, value.timestamp() * 1000 - (before + after) * 500))
         del self._clock_samples[:-8]
-        rtt, offset = min(self._clock_samples)
-        uncertainty = rtt / 2 + 1.0
-        self.clock.offset_ms = math.copysign(max(0.0, abs(offset) - uncertainty), offset)
+        self.clock.offset_ms = clock_offset(self._clock_samples)
         if abs(self.clock.offset_ms) > 1000 and "skew" not in self._warned:
             self._warned.add("skew")
             logger.warning(

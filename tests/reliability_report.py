@@ -28,6 +28,12 @@ def cell(data: dict[str, Any], test: str, render: Any) -> str:
     return render(figures) if figures else "–"
 
 
+def skew(f: dict[str, Any], meaning: str) -> str:
+    won = f"won {f['skewed_instance_wins']} of {f.get('slots_raced', '?')} slots raced"
+    claimed = f"claimed them {ahead(f)} before the slot {meaning}"
+    return f"no lease stolen, no slot twice; the skewed instance {won} and {claimed}"
+
+
 def ahead(figures: dict[str, Any]) -> str:
     late = figures.get("claimed_ahead_ms") or {}
     return f"p50 {late.get('p50_ms', '–')} / max {late.get('max_ms', '–')} ms"
@@ -96,19 +102,13 @@ ROWS: list[tuple[str, str, str, Any]] = [
         "Clock skew, ahead",
         "one of 3 instances with its clock 6 s ahead (libfaketime)",
         "clock_skew_ahead",
-        lambda f: (
-            f"no lease stolen, no slot twice; the skewed instance won {f['skewed_instance_wins']} slots and "
-            f"claimed them {ahead(f)} before the slot (the claim-ahead margin, not 6 s)"
-        ),
+        lambda f: skew(f, "(the claim-ahead margin, not 6 s)"),
     ),
     (
         "Clock skew, behind",
         "one of 3 instances with its clock 6 s behind (libfaketime)",
         "clock_skew_behind",
-        lambda f: (
-            f"no lease stolen, no slot twice; the skewed instance won {f['skewed_instance_wins']} slots and "
-            f"claimed them {ahead(f)} before the slot (on time, not 6 s late)"
-        ),
+        lambda f: skew(f, "(on time, not 6 s late)"),
     ),
     (
         "Rolling deploy",

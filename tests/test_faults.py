@@ -443,7 +443,7 @@ def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
     assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run the clock-skew test"
     cluster.jobs = [
         {"name": "tick", "every": "1s", "kind": "record"},
-        {"name": "long", "every": ON_DEMAND, "kind": "sleep", "seconds": 12},
+        {"name": "long", "every": ON_DEMAND, "kind": "sleep", "seconds": 40},
     ]
     env = {"ANARCHON_TEST_EVENTS": str(events)}
     skewed_env = {
@@ -458,7 +458,12 @@ def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
     wait_for(lambda: Run.objects.filter(pk=run.pk, status="running").exists(), 10, what="the long run")
     skewed = cluster.start("skewed", extra_env=skewed_env)
     cluster.wait_ready(skewed)
-    time.sleep(10)
+    # Three instances race for each tick; watch until the skewed one has won a few of
+    # them (about nine slots at even odds), so that its timing is measured, not guessed.
+    watched = time.monotonic()
+    raced_from = Run.objects.filter(job="tick").order_by("-slot").values_list("slot", flat=True).first() or 0
+    while time.monotonic() - watched < 30 and Run.objects.filter(job="tick", instance_id="skewed").count() < 3:
+        time.sleep(0.5)
     stopping = time.time()
     codes = stop_all(cluster, [*normal, skewed])
     assert codes == [0, 0, 0], cluster.logs()
@@ -484,7 +489,13 @@ def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
     assert "off the database's" in skewed.output()
     report(
         f"clock_skew_{'ahead' if skew > 0 else 'behind'}",
-        {"skew_s": skew, "skewed_instance_wins": len(mine), "claimed_ahead_ms": percentiles(ahead), "stolen_leases": 0},
+        {
+            "skew_s": skew,
+            "skewed_instance_wins": len(mine),
+            "slots_raced": sum(1 for r in ticks if r.slot > raced_from),
+            "claimed_ahead_ms": percentiles(ahead),
+            "stolen_leases": 0,
+        },
     )
 
 
