@@ -65,6 +65,24 @@ def clock_offset(samples: Iterable[tuple[float, float]]) -> float:
     return offset if abs(offset) > rtt / 2 + 1.0 else 0.0
 
 
+def add_clock_sample(samples: list[tuple[float, float]], sample: tuple[float, float]) -> list[tuple[float, float]]:
+    """The recent ``(round trip, offset)`` samples to estimate from, with ``sample`` added.
+
+    The database's timestamp was taken during the round trip, so each sample
+    bounds the true offset to its offset ± half its round trip (plus a millisecond
+    of timestamp resolution). A new sample whose bounds do not meet the current
+    best sample's means one of the clocks was stepped (NTP, an operator): the
+    older samples describe a clock that no longer exists and are dropped, rather
+    than outvoting the new one for the next eight measurements.
+    """
+    if samples:
+        best_rtt, best = min(samples)
+        rtt, offset = sample
+        if abs(offset - best) > (best_rtt + rtt) / 2 + 2.0:
+            return [sample]
+    return [*samples[-7:], sample]
+
+
 class Engine:
     """One running scheduler instance. Created by :meth:`Scheduler.start`."""
 
@@ -300,6 +318,7 @@ class Engine:
             while not self._stopping.is_set():
                 try:
                     self._draw_claim_ahead()
+                    self._follow_clock_steps()
                     self.keeper.fence_overdue()
                     if self._backoff:
                         self._stopping.wait(self._backoff)
@@ -371,6 +390,23 @@ class Engine:
         )
         return True
 
+    def _follow_clock_steps(self) -> None:
+        """Measure the database clock again at once when this host's clock was stepped.
+
+        Otherwise a clock stepped forward would make slots look due (and start
+        handlers) seconds early until the next regular measurement.
+        """
+        step = self.clock.stepped()
+        if not step:
+            return
+        logger.warning(
+            "This host's clock was stepped by %+.3fs; measuring the database clock again",
+            step,
+            extra={"instance": self.instance_id},
+        )
+        self._clock_samples = []
+        self._measure_clock(samples=3)
+
     def _measure_clock(self, samples: int = 1) -> None:
         """Align slot timing to the database clock, so that a skewed host still fires on time.
 
@@ -385,8 +421,8 @@ class Engine:
             after = time.time()
             if value is _FAILED:
                 return
-            self._clock_samples.append(((after - before) * 1000, value.timestamp() * 1000 - (before + after) * 500))
-        del self._clock_samples[:-8]
+            sample = ((after - before) * 1000, value.timestamp() * 1000 - (before + after) * 500)
+            self._clock_samples = add_clock_sample(self._clock_samples, sample)
         self.clock.offset_ms = clock_offset(self._clock_samples)
         if abs(self.clock.offset_ms) > 1000 and "skew" not in self._warned:
             self._warned.add("skew")

@@ -21,6 +21,7 @@ from django.db import DatabaseError, connections
 
 from . import store
 from .models import Status
+from .timing import sleep
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -120,7 +121,7 @@ class Recorder:
                             extra={"job": run.job, "slot": run.slot, "instance": self.engine.instance_id},
                         )
                         outcome.settle(None)
-                time.sleep(delay)
+                sleep(delay)
                 delay = min(delay * 2, 1.0)
             pending = [outcome for outcome in pending if not outcome.done.is_set()]
 

@@ -12,6 +12,7 @@ from asgiref.sync import sync_to_async
 from .conf import check_json, get_settings, problems
 from .exceptions import JobDeclarationError, SettingsError
 from .registry import Declarations, Job, Registry
+from .timing import sleep
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -142,7 +143,7 @@ class Scheduler(Declarations):
                 if not waited:
                     waited = True
                     logger.info("Job %r is running elsewhere; waiting for that run to end", name)
-                time.sleep(settings.poll_interval)
+                sleep(settings.poll_interval)
             active = engine.adopt(run, sent)
             while active is not None and not active.finished.wait(0.2):
                 pass

@@ -2,23 +2,47 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
 from .schedules import Schedule
 
 
+def sleep(seconds: float) -> None:
+    """``time.sleep()`` through a condition wait.
+
+    Under libfaketime with ``FAKETIME_DONT_FAKE_MONOTONIC=1`` (the usual way to
+    skew a host's clock in tests) ``time.sleep()`` fails with ``EINVAL``, while
+    condition waits, which every other wait in the scheduler uses, work.
+    """
+    if seconds > 0:
+        threading.Event().wait(seconds)
+
+
 class Clock:
     """Wall and monotonic time; ``offset_ms`` corrects the wall clock to the database's."""
 
+    # A change of the wall clock against the monotonic one beyond this is a step
+    # (NTP, an operator, a VM resumed), not drift: about 1 ms a minute at worst.
+    STEP_S = 0.05
+
     def __init__(self) -> None:
         self.offset_ms = 0.0
+        self._wall_minus_monotonic = time.time() - time.monotonic()
 
     def now_ms(self) -> int:
         return int(time.time() * 1000 + self.offset_ms)
 
     def monotonic(self) -> float:
         return time.monotonic()
+
+    def stepped(self) -> float:
+        """By how many seconds the wall clock was stepped since the last call (0.0 if it was not)."""
+        now = time.time() - time.monotonic()
+        step = now - self._wall_minus_monotonic
+        self._wall_minus_monotonic = now
+        return step if abs(step) > self.STEP_S else 0.0
 
 
 @dataclass(frozen=True)

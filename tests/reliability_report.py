@@ -29,9 +29,9 @@ def cell(data: dict[str, Any], test: str, render: Any) -> str:
 
 
 def skew(f: dict[str, Any], meaning: str) -> str:
-    won = f"won {f['skewed_instance_wins']} of {f.get('slots_raced', '?')} slots raced"
-    claimed = f"claimed them {ahead(f)} before the slot {meaning}"
-    return f"no lease stolen, no slot twice; the skewed instance {won} and {claimed}"
+    claimed = f"claimed its own job's {f.get('solo_slots', '?')} slots {ahead(f)} before the slot {meaning}"
+    raced = f"won {f.get('skewed_instance_tick_wins', '?')} of {f.get('tick_slots', '?')} slots raced with the others"
+    return f"no lease stolen, no slot twice; the skewed instance {claimed} and {raced}"
 
 
 def ahead(figures: dict[str, Any]) -> str:
@@ -109,6 +109,16 @@ ROWS: list[tuple[str, str, str, Any]] = [
         "one of 3 instances with its clock 6 s behind (libfaketime)",
         "clock_skew_behind",
         lambda f: skew(f, "(on time, not 6 s late)"),
+    ),
+    (
+        "Clock stepped",
+        "NTP steps one of 2 instances' clock 6 s forward while it runs (libfaketime)",
+        "clock_step",
+        lambda f: (
+            f"the step was noticed at the next loop turn and the database clock measured again; "
+            f"{f['slots_after_step']} slots after the step, {f['stepper_wins']} won by the stepped instance, "
+            f"{f['early_claims']} claimed early"
+        ),
     ),
     (
         "Rolling deploy",

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from django_anarchon.engine import clock_offset
+from django_anarchon.engine import add_clock_sample, clock_offset
 
 
 @pytest.mark.parametrize("skew", [6000.2, -6000.2, 2.5, -2.5])
@@ -24,3 +29,49 @@ def test_the_sample_with_the_shortest_round_trip_decides() -> None:
     assert clock_offset(samples) == 6000.3
     # a slow round trip also widens the noise band
     assert clock_offset([(30.0, 14.0)]) == 0.0
+
+
+def test_samples_are_kept_up_to_the_eight_most_recent() -> None:
+    samples: list[tuple[float, float]] = []
+    for n in range(12):
+        samples = add_clock_sample(samples, (0.5 + n / 10, 6000.0 + n / 100))
+    assert len(samples) == 8 and samples[-1] == (0.5 + 11 / 10, 6000.0 + 11 / 100)
+    assert clock_offset(samples) == 6000.04  # the shortest round trip left
+
+
+def test_a_clock_that_was_stepped_is_followed_at_the_next_measurement() -> None:
+    # Eight consistent samples 6 s behind, then NTP steps this host's clock right:
+    # the old samples (with shorter round trips) must not outvote the new one.
+    samples = [(0.3, 6000.0)] * 8
+    samples = add_clock_sample(samples, (0.9, 0.2))
+    assert samples == [(0.9, 0.2)]
+    assert clock_offset(samples) == 0.0
+    # a sample that agrees within the round trips is noise, not a step
+    samples = add_clock_sample([(0.3, 6000.0)], (4.0, 6001.5))
+    assert len(samples) == 2 and clock_offset(samples) == 6000.0
+
+
+def test_sleeping_works_on_a_host_whose_clock_is_skewed_with_libfaketime() -> None:
+    # libfaketime with the monotonic clock left real (how the fault suite, and likely an
+    # operator, skews a host) makes time.sleep() fail with EINVAL. The scheduler's retry
+    # paths (recording outcomes through an outage) must keep working there.
+    lib = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+    assert lib.exists(), "apt-get install faketime (libfaketime) to run this test"
+    code = (
+        "import time\n"
+        "from django_anarchon.timing import sleep\n"
+        "try:\n"
+        "    time.sleep(0.01)\n"
+        "    print('time.sleep works')\n"
+        "except OSError as error:\n"
+        "    print('time.sleep fails:', error)\n"
+        "started = time.monotonic()\n"
+        "sleep(0.05)\n"
+        "print('slept', time.monotonic() - started)\n"
+    )
+    env = {**os.environ, "LD_PRELOAD": str(lib), "FAKETIME": "+6s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "time.sleep fails" in done.stdout, f"libfaketime no longer breaks time.sleep: {done.stdout}"
+    slept = float(done.stdout.split("slept ")[1])
+    assert slept >= 0.049, f"sleep(0.05) returned after {slept}s"

@@ -443,7 +443,7 @@ def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
     assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run the clock-skew test"
     cluster.jobs = [
         {"name": "tick", "every": "1s", "kind": "record"},
-        {"name": "long", "every": ON_DEMAND, "kind": "sleep", "seconds": 40},
+        {"name": "long", "every": ON_DEMAND, "kind": "sleep", "seconds": 20},
     ]
     env = {"ANARCHON_TEST_EVENTS": str(events)}
     skewed_env = {
@@ -451,6 +451,9 @@ def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
         "LD_PRELOAD": str(FAKETIME_LIB),
         "FAKETIME": f"{skew:+d}s",
         "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        # "solo" is declared by the skewed instance alone: every one of its slots shows
+        # when that instance claims, whoever wins the races for "tick".
+        "ANARCHON_TEST_JOBS": json.dumps([*cluster.jobs, {"name": "solo", "every": "1s", "kind": "record"}]),
     }
     normal = [cluster.start("honest-1", extra_env=env), cluster.start("honest-2", extra_env=env)]
     cluster.wait_ready(*normal)
@@ -458,12 +461,8 @@ def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
     wait_for(lambda: Run.objects.filter(pk=run.pk, status="running").exists(), 10, what="the long run")
     skewed = cluster.start("skewed", extra_env=skewed_env)
     cluster.wait_ready(skewed)
-    # Three instances race for each tick; watch until the skewed one has won a few of
-    # them (about nine slots at even odds), so that its timing is measured, not guessed.
-    watched = time.monotonic()
-    raced_from = Run.objects.filter(job="tick").order_by("-slot").values_list("slot", flat=True).first() or 0
-    while time.monotonic() - watched < 30 and Run.objects.filter(job="tick", instance_id="skewed").count() < 3:
-        time.sleep(0.5)
+    joined = Run.objects.filter(job="tick").order_by("-slot").values_list("slot", flat=True).first() or 0
+    time.sleep(8)
     stopping = time.time()
     codes = stop_all(cluster, [*normal, skewed])
     assert codes == [0, 0, 0], cluster.logs()
@@ -473,30 +472,69 @@ def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
     assert long_runs[0].status in ("success", "interrupted") and long_runs[0].instance_id.startswith("honest")
     log = read_events(events)
     assert_no_attempt_ran_twice(log)
-    ticks = list(Run.objects.filter(job="tick", attempt=1))
+    ticks = list(Run.objects.filter(job="tick", attempt=1, slot__gt=joined))
     assert max(Counter(r.slot for r in ticks).values()) == 1
-    mine = [r for r in ticks if r.instance_id == "skewed"]
-    assert mine, "the skewed instance never won a slot"
+    solo = list(Run.objects.filter(job="solo", attempt=1))
+    assert len(solo) >= 6, f"the skewed instance ran {len(solo)} of the ~8 slots of its own job"
     # Slots follow the database clock: the skewed instance claims no earlier than the
-    # claim-ahead margin (at most 200 ms) before a slot, never 6 s early, nor seconds late
-    # (with a clock behind, it wins slots only because it claims them on time), and no run
-    # is recorded as started before its slot.
-    ahead = [(r.scheduled_at - r.created_at).total_seconds() for r in mine]
+    # claim-ahead margin (at most 200 ms) before a slot, never 6 s early, nor seconds late,
+    # and no run is recorded as started before its slot.
+    ahead = [(r.scheduled_at - r.created_at).total_seconds() for r in solo]
     assert max(ahead) < 0.3, f"the skewed instance claimed {max(ahead):.2f}s ahead of a slot"
     assert min(ahead) > -0.5, f"the skewed instance claimed {-min(ahead):.2f}s after a slot"
-    early = [r for r in ticks if r.started_at and r.started_at < r.scheduled_at]
+    early = [r for r in [*ticks, *solo] if r.started_at and r.started_at < r.scheduled_at]
     assert not early, f"{len(early)} runs started before their slot"
     assert "off the database's" in skewed.output()
     report(
         f"clock_skew_{'ahead' if skew > 0 else 'behind'}",
         {
             "skew_s": skew,
-            "skewed_instance_wins": len(mine),
-            "slots_raced": sum(1 for r in ticks if r.slot > raced_from),
+            "solo_slots": len(solo),
+            "tick_slots": len(ticks),
+            "skewed_instance_tick_wins": sum(r.instance_id == "skewed" for r in ticks),
             "claimed_ahead_ms": percentiles(ahead),
             "stolen_leases": 0,
         },
     )
+
+
+def test_a_clock_stepped_forward_under_a_running_instance_never_makes_it_claim_early(
+    cluster: Cluster, events: Path, tmp_path: Path
+) -> None:
+    if vendor() == "sqlite":
+        pytest.skip("not applicable to SQLite: the database clock is the host's own, stepped with it")
+    assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run the clock-step test"
+    cluster.jobs = [{"name": "tick", "every": "1s", "kind": "record"}]
+    env = {"ANARCHON_TEST_EVENTS": str(events)}
+    offset = tmp_path / "faketime.rc"
+    offset.write_text("+0\n")
+    stepper_env = {
+        **env,
+        "LD_PRELOAD": str(FAKETIME_LIB),
+        "FAKETIME_TIMESTAMP_FILE": str(offset),
+        "FAKETIME_NO_CACHE": "1",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        # Its regular clock measurement comes every 10 s: the step must be noticed sooner.
+        "ANARCHON_LEASE_TTL": "30",
+        "ANARCHON_POLL_INTERVAL": "1",
+    }
+    honest = cluster.start("honest", extra_env=env)
+    stepper = cluster.start("stepper", extra_env=stepper_env)
+    cluster.wait_ready(honest, stepper)
+    time.sleep(1.5)
+    offset.write_text("+6s\n")  # NTP steps the stepper's clock 6 s forward
+    stepped = time.time()
+    time.sleep(5)
+    assert stop_all(cluster, [honest, stepper]) == [0, 0], cluster.logs()
+    assert "clock was stepped by +6" in stepper.output(), stepper.output()
+    ticks = list(Run.objects.filter(job="tick"))
+    assert max(Counter(r.slot for r in ticks).values()) == 1
+    assert_no_attempt_ran_twice(read_events(events))
+    after = [r for r in ticks if r.created_at.timestamp() >= stepped]
+    early = [r for r in after if (r.scheduled_at - r.created_at).total_seconds() > 0.3]
+    assert not early, f"{len(early)} slot(s) claimed seconds early after the step: {early[:3]}"
+    won = [r for r in after if r.instance_id == "stepper"]
+    report("clock_step", {"step_s": 6, "slots_after_step": len(after), "stepper_wins": len(won), "early_claims": 0})
 
 
 # -- rolling deploy ----------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import random
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from django.db.models import DateTimeField, ExpressionWrapper, F, Func, Max
 
 from ..models import JobState, Reason, Run, Status
 from ..registry import Job
+from ..timing import sleep
 
 logger = logging.getLogger("django_anarchon")
 UTC = timezone.utc
@@ -141,7 +141,7 @@ def retry_deadlocks(function: Fn) -> Fn:
             except OperationalError as error:
                 if attempt == 4 or not _is_deadlock(error):
                     raise
-                time.sleep(random.uniform(0.001, 0.02) * (attempt + 1))  # noqa: S311
+                sleep(random.uniform(0.001, 0.02) * (attempt + 1))  # noqa: S311
         return None  # pragma: no cover - the loop returns or raises
 
     return wrapper  # type: ignore[return-value]
