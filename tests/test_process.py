@@ -53,8 +53,9 @@ def test_three_instances_run_every_slot_exactly_once(cluster: Cluster) -> None:
     started = Counter((e.slot, e.attempt) for e in Execution.objects.filter(job="tick", event="start"))
     assert started and max(started.values()) == 1, "a handler ran twice for one attempt"
     assert {e.slot // 1000 for e in Execution.objects.filter(job="tick")} >= expected
-    # Every instance took part: the race is real, not one node doing everything.
-    assert len({r.instance_id for r in rows}) >= 2
+    # Which instance wins is not asserted: the one whose claims take longest claims
+    # furthest ahead and may win all ten (docs/reliability.md); the races themselves
+    # are shown by the store's 8-way race tests and the contention fault test.
 
 
 def _start_long_job(cluster: Cluster, kind: str = "sleep", seconds: float = 30.0) -> tuple[Run, dict[str, object]]:

@@ -206,6 +206,44 @@ def test_catch_up_latest_runs_the_newest_missed_slot_and_records_the_rest() -> N
     assert JobState.objects.get(name="job").missed_count == 4
 
 
+@pytest.mark.parametrize("catch_up", ["latest", "all", "none"])
+def test_instances_back_together_catch_up_once_though_they_disagree_about_the_current_slot(catch_up: str) -> None:
+    # Real slots: what decides is whether a slot was due when the catch-up was recorded.
+    job = make_job(every="1s", catch_up=catch_up)
+    base = (int(time.time()) - 10) * 1000
+    _ran(job, base)
+    # The first instance back: base+6s is still current for it (within its start-up
+    # grace), so it catches up to base+5s and claims base+6s as scheduled.
+    first = decide([], [store.CatchUp(job, until=base + 5_000)], owner="first")
+    for run in first.won:
+        store.finish(run.id, owner="first", status="success")
+    # The second, a few ms later: base+6s is past its grace, a window of its own.
+    second = decide([], [store.CatchUp(job, until=base + 6_000)], owner="second")
+    assert [(r.slot, r.reason, r.status) for r in second.won] == [(base + 6_000, "scheduled", "running")]
+    assert second.missed == []
+    # The first one's scheduled claim of the same slot finds it decided.
+    assert decide([store.Claim(job, base + 6_000)], owner="first").won == []
+    assert Run.objects.filter(job="job", slot=base + 6_000).count() == 1
+    catch_up_runs = {"latest": 1, "all": 5, "none": 0}[catch_up]
+    assert Run.objects.filter(reason="catch-up").count() == catch_up_runs
+
+
+def test_a_slot_due_after_the_catch_up_was_recorded_is_still_caught_up() -> None:
+    job = make_job(every="1s")
+    base = (int(time.time()) - 10) * 1000
+    _ran(job, base)
+    [first] = decide([], [store.CatchUp(job, until=base + 5_000)], owner="first").won
+    store.finish(first.id, owner="first", status="success")
+    Run.objects.filter(pk=first.pk).update(created_at=first.scheduled_at)  # recorded right at its slot
+    # Nobody ran base+6s and later: a window of several slots, or of one slot that
+    # came after the catch-up was recorded, is caught up as usual.
+    later = decide([], [store.CatchUp(job, until=base + 6_000)], owner="later")
+    assert [(r.slot, r.reason) for r in later.won] == [(base + 6_000, "catch-up")]
+    store.finish(later.won[0].id, owner="later", status="success")
+    wider = decide([], [store.CatchUp(job, until=base + 9_000)], owner="wider")
+    assert [(r.slot, r.reason) for r in wider.won] == [(base + 9_000, "catch-up")]
+
+
 def test_catch_up_all_runs_every_missed_slot_in_order_one_at_a_time() -> None:
     job = make_job(every="10s", catch_up="all")
     _ran(job, SLOT)

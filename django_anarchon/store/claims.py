@@ -202,9 +202,26 @@ def _expand_catch_ups(
     the last resume, whichever is later; a job with no record at all has never
     run and has nothing to catch up. Caller holds the job locks, so two
     instances cannot both count the same missed slots.
+
+    Instances that come back together after an outage may disagree about one
+    slot: to the first it was still current (within its start-up grace), so it
+    caught up only what came before and claims that slot as scheduled; to the
+    next one, starting a few ms later, it is already past its grace. A window
+    that holds just that one slot, which was due when the floor was decided by
+    a catch-up (a catch-up run or a ``missed`` record created after the slot),
+    is claimed as scheduled here too: whichever instance decides the slot,
+    there is one catch-up for the outage and one record for the slot.
     """
     names = [c.job.name for c in catch_ups]
     last = _newest_scheduled_slots(_runs().filter(job__in=names))
+    decided_by_catch_up = {
+        job: created
+        for job, slot, created in _runs()
+        .filter(job__in=names, slot__in=set(last.values()), attempt=1)
+        .filter(Q(reason=Reason.CATCH_UP) | Q(status=Status.MISSED))
+        .values_list("job", "slot", "created_at")
+        if last.get(job) == slot
+    }
     claims: list[Claim] = []
     missed: list[Run] = []
     for catch_up in catch_ups:
@@ -218,6 +235,15 @@ def _expand_catch_ups(
             continue
         if state.resumed_at is not None:
             floor = max(floor, int(state.resumed_at.timestamp() * 1000))
+        came_back = decided_by_catch_up.get(job.name)
+        if (
+            came_back is not None
+            and floor == last.get(job.name)
+            and slot_datetime(catch_up.until) <= came_back
+            and job.schedule.next_after(floor) == catch_up.until
+        ):
+            claims.append(Claim(job, catch_up.until))
+            continue
         limit = {"latest": 1, "all": CATCH_UP_LIMIT, "none": 0}[job.catch_up]
         # One slot more than we may run, so that the newest one not run is known.
         recent, count = job.schedule.slots_between(floor, catch_up.until, limit + 1)
