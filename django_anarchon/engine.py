@@ -52,6 +52,11 @@ _FAILED: Any = object()
 BUSY_RETRY_MS = 20
 
 
+def _uncertainty_ms(rtt: float) -> float:
+    """How far a clock sample's offset can be from the truth: half its round trip, plus 1 ms of resolution."""
+    return rtt / 2 + 1.0
+
+
 def clock_offset(samples: Iterable[tuple[float, float]]) -> float:
     """The database clock minus this host's, in ms, from ``(round trip, offset)`` samples.
 
@@ -62,15 +67,15 @@ def clock_offset(samples: Iterable[tuple[float, float]]) -> float:
     late by a systematic margin and races its peers for slots on equal terms.
     """
     rtt, offset = min(samples)
-    return offset if abs(offset) > rtt / 2 + 1.0 else 0.0
+    return offset if abs(offset) > _uncertainty_ms(rtt) else 0.0
 
 
 def add_clock_sample(samples: list[tuple[float, float]], sample: tuple[float, float]) -> list[tuple[float, float]]:
     """The recent ``(round trip, offset)`` samples to estimate from, with ``sample`` added.
 
     The database's timestamp was taken during the round trip, so each sample
-    bounds the true offset to its offset ± half its round trip (plus a millisecond
-    of timestamp resolution). A new sample whose bounds do not meet the current
+    bounds the true offset to its offset ± its uncertainty. A new sample whose
+    bounds do not meet the current
     best sample's means one of the clocks was stepped (NTP, an operator): the
     older samples describe a clock that no longer exists and are dropped, rather
     than outvoting the new one for the next eight measurements.
@@ -78,7 +83,7 @@ def add_clock_sample(samples: list[tuple[float, float]], sample: tuple[float, fl
     if samples:
         best_rtt, best = min(samples)
         rtt, offset = sample
-        if abs(offset - best) > (best_rtt + rtt) / 2 + 2.0:
+        if abs(offset - best) > _uncertainty_ms(best_rtt) + _uncertainty_ms(rtt):
             return [sample]
     return [*samples[-7:], sample]
 

@@ -19,6 +19,9 @@ from django.db import connection
 ROOT = Path(__file__).resolve().parent.parent
 MANAGE = ROOT / "tests" / "manage.py"
 
+# libfaketime, for the tests that skew or step an instance's clock (Debian's faketime).
+FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
 # An interval for jobs that must run only when a test asks (run_now, a hand-over):
 # slots are aligned to the epoch, so the previous one was 2024-10-04 and the next
 # is 2052-02-20. "1h" or "1d" here made tests flaky on the hour or at midnight.

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from django_anarchon.engine import add_clock_sample, clock_offset
+from tests.conftest import FAKETIME_LIB
 
 
 @pytest.mark.parametrize("skew", [6000.2, -6000.2, 2.5, -2.5])
@@ -55,8 +55,7 @@ def test_sleeping_works_on_a_host_whose_clock_is_skewed_with_libfaketime() -> No
     # libfaketime with the monotonic clock left real (how the fault suite, and likely an
     # operator, skews a host) makes time.sleep() fail with EINVAL. The scheduler's retry
     # paths (recording outcomes through an outage) must keep working there.
-    lib = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
-    assert lib.exists(), "apt-get install faketime (libfaketime) to run this test"
+    assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run this test"
     code = (
         "import time\n"
         "from django_anarchon.timing import sleep\n"
@@ -69,7 +68,7 @@ def test_sleeping_works_on_a_host_whose_clock_is_skewed_with_libfaketime() -> No
         "sleep(0.05)\n"
         "print('slept', time.monotonic() - started)\n"
     )
-    env = {**os.environ, "LD_PRELOAD": str(lib), "FAKETIME": "+6s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    env = {**os.environ, "LD_PRELOAD": str(FAKETIME_LIB), "FAKETIME": "+6s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert "time.sleep fails" in done.stdout, f"libfaketime no longer breaks time.sleep: {done.stdout}"

@@ -28,13 +28,12 @@ from django.db import connection
 
 from django_anarchon import store
 from django_anarchon.models import Run
-from tests.conftest import ON_DEMAND, Cluster, Instance, report, vendor, wait_for
+from tests.conftest import FAKETIME_LIB, ON_DEMAND, Cluster, Instance, report, vendor, wait_for
 
 pytestmark = [pytest.mark.process, pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 
 TTL = 2.0
 POLL = 0.2
-FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
 
 # -- helpers ---------------------------------------------------------------------------
