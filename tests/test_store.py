@@ -102,6 +102,29 @@ def test_exactly_one_winner_among_concurrent_claimers(contenders: int) -> None:
     assert Run.objects.count() == len(claims)
 
 
+@pytest.mark.parametrize("overlap", ["skip", "allow"])
+def test_exactly_one_winner_when_contenders_skip_locked_jobs_and_retry(overlap: str) -> None:
+    """What the loop does: jobs another claimer holds come back busy and are tried again."""
+    jobs = [make_job(f"job-{n}", overlap=overlap) for n in range(6)]
+    store.ensure_jobs(jobs)
+    claims = [store.Claim(job, SLOT) for job in jobs]
+
+    def claimer(i: int) -> list[tuple[str, int]]:
+        won, todo = [], claims
+        for _ in range(500):
+            outcome = decide(todo, owner=f"o{i}", skip_locked=True)
+            won += [(r.job, r.slot) for r in outcome.won]
+            todo = [c for c in todo if c.job.name in outcome.busy]
+            if not todo:
+                return won
+            time.sleep(0.002)
+        raise AssertionError(f"still busy after 500 tries: {todo}")
+
+    won = [pair for pairs in race(8, claimer) for pair in pairs]
+    assert sorted(won) == sorted((c.job.name, c.slot) for c in claims), "every slot won exactly once"
+    assert Run.objects.count() == len(claims)
+
+
 def test_default_data_is_used_when_the_job_has_none() -> None:
     outcome = decide([store.Claim(make_job(), SLOT)], default_data={"scheduler": True})
     assert outcome.won[0].data == {"scheduler": True}
@@ -120,6 +143,67 @@ def test_claims_beyond_capacity_are_deferred_and_left_for_others() -> None:
     assert len(outcome.won) == 1 and len(outcome.deferred) == 2
     other = decide(outcome.deferred, owner="other")
     assert len(other.won) == 2
+
+
+def test_a_won_claim_equals_the_row_on_record() -> None:
+    """What a claim returns is what was written: every column, on every path."""
+    job = make_job(data={"k": [1, "two"]})
+    JobState.objects.create(name="job")
+    [run] = decide([store.Claim(job, SLOT)]).won
+    stored = Run.objects.get(pk=run.pk)
+    for field in Run._meta.concrete_fields:
+        assert getattr(run, field.attname) == getattr(stored, field.attname), field.name
+    assert run.created_at <= run.started_at and run.started_at >= run.scheduled_at
+
+
+def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsewhere() -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    jobs = [make_job(f"j{n}") for n in range(3)]
+    store.ensure_jobs(jobs)
+    with CaptureQueriesContext(connection) as sent:
+        outcome = decide([store.Claim(j, SLOT) for j in jobs])
+    assert len(outcome.won) == 3
+    statements = [
+        q["sql"] for q in sent.captured_queries if not q["sql"].startswith(("SAVEPOINT", "RELEASE", "BEGIN", "COMMIT"))
+    ]
+    if connection.vendor == "postgresql":
+        assert len(statements) == 1 and "django_anarchon_claim(" in statements[0], statements
+    else:
+        # The first look, the lock (and on SQLite the UPDATE that takes it), what the jobs are doing,
+        # and an INSERT that returns the rows it wrote.
+        assert len(statements) <= 5, statements
+        assert "RETURNING" in statements[-1] or not connection.features.can_return_rows_from_bulk_insert
+
+
+def test_a_batch_mixing_idle_and_busy_jobs_is_decided_by_each_jobs_overlap() -> None:
+    """On PostgreSQL the idle jobs go through the one-statement claim, the busy ones through Python."""
+    skip, queue, allow, idle = (
+        make_job(name, overlap=name if name != "idle" else "skip") for name in ("skip", "queue", "allow", "idle")
+    )
+    store.ensure_jobs([skip, queue, allow, idle])
+    first = decide([store.Claim(j, SLOT) for j in (skip, queue, allow)], owner="a").won
+    assert len(first) == 3
+    nxt = SLOT + 1000
+    outcome = decide([store.Claim(j, nxt) for j in (skip, queue, allow, idle)] + [store.Claim(idle, nxt + 1000)])
+    assert sorted((r.job, r.slot) for r in outcome.won) == [("allow", nxt), ("idle", nxt)]
+    assert sorted((r.job, r.slot) for r in outcome.skipped) == [("idle", nxt + 1000), ("skip", nxt)]
+    assert Run.objects.get(job="queue", slot=nxt).status == "pending"
+    assert Run.objects.get(job="idle", slot=nxt + 1000).status == "skipped", "busy after its own earlier slot"
+
+
+def test_capacity_is_shared_between_the_one_statement_claim_and_the_python_path() -> None:
+    replace = make_job("replace", overlap="replace")
+    idle = [make_job(f"idle{n}") for n in range(3)]
+    store.ensure_jobs([replace, *idle])
+    [running] = decide([store.Claim(replace, SLOT)], owner="a").won
+    claims = [store.Claim(j, SLOT + 1000) for j in (replace, *idle)]
+    outcome = decide(claims, capacity=2)
+    assert sorted(r.job for r in outcome.won) == ["idle0", "idle1"]
+    assert sorted(c.job.name for c in outcome.deferred) == ["idle2", "replace"]
+    assert outcome.interrupted == [], "a replacement that cannot start here leaves the active run alone"
+    assert Run.objects.get(pk=running.pk).status == "running"
 
 
 # -- overlap -----------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 N closed-loop clients (separate processes, like N instances) race for the same sequence of
 (job, slot) claims through the engine's claim path (``bench_claims --mode decide``): batches
 of 1 (one job due per instant) and of 100 (100 jobs due at the same instant, one transaction,
-as the loop claims them). References at the same concurrency, in the same run: pgbench with a
+as the loop claims them), each measured twice: claims alone (what the reference does: decide
+and record the decision) and claims plus recording the won runs as ended (``--finish``).
+References at the same concurrency, in the same run: pgbench with a
 one-row INSERT ... ON CONFLICT on a primary key (PostgreSQL's commit-bound limit here), and
 the same one-row INSERT from N Python clients through Django (every database).
 """
@@ -23,7 +25,9 @@ from bench.context import Context, reset_database
 from bench.dbconf import DB_NAME
 
 SCRIPT = ROOT / "bench" / "pgbench_claim.sql"
-JOBS = 1000
+# More jobs than the fastest run walks through in a window: no job's next slot comes
+# round while its run (never ended without --finish) still counts as running.
+JOBS = 30000
 
 
 def pgbench(clients: int, seconds: int) -> float:
@@ -44,16 +48,20 @@ def pgbench(clients: int, seconds: int) -> float:
     return float(found.group(1))
 
 
-def clients(ctx: Context, mode: str, count: int, seconds: int, batch: int = 1) -> dict[str, Any]:
+def clients(ctx: Context, mode: str, count: int, seconds: int, batch: int = 1, finish: bool = False) -> dict[str, Any]:
     """Run ``count`` ``bench_claims`` clients at once; their summed counts and rates."""
     reset_database()
-    start_at = time.time() + 1.5 + 0.4 * count  # every client has set Django up by then (see late_start_ms)
     base = (int(time.time()) - 3600) * 1000
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings", "ANARCHON_BENCH_DB": ctx.db}
     env.pop("ANARCHON_BENCH_JOBS", None)
     env.pop("ANARCHON_BENCH_PROBE", None)
-    command = [sys.executable, str(MANAGE), "bench_claims", "--mode", mode, "--batch", str(batch)]
-    command += ["--jobs", str(JOBS), "--base", str(base), "--start-at", str(start_at), "--seconds", str(seconds)]
+    command = [sys.executable, str(MANAGE), "bench_claims", "--batch", str(batch), "--jobs", str(JOBS)]
+    command += ["--base", str(base), "--seconds", str(seconds)]
+    if mode == "decide":  # the job rows, as instances create them when they start
+        setup = [*command, "--mode", "setup", "--start-at", "0"]
+        subprocess.run(setup, cwd=ROOT, env=env, check=True, capture_output=True)
+    start_at = time.time() + 2.0 + 0.4 * count  # every client has set Django up by then (see late_start_ms)
+    command += ["--mode", mode, "--start-at", str(start_at)] + (["--finish"] if finish else [])
     processes = [
         subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(count)
@@ -92,13 +100,20 @@ def run(ctx: Context) -> dict[str, Any]:
         for batch in (1, 100):
             ctx.log(f"claims: store.decide, {count} clients, {batch} claim(s) per transaction")
             row[f"decide_{batch}"] = clients(ctx, "decide", count, seconds, batch)
+            ctx.log(f"claims: store.decide + finish_many, {count} clients, {batch} claim(s) per transaction")
+            row[f"finish_{batch}"] = clients(ctx, "decide", count, seconds, batch, finish=True)
         reference = row.get("pgbench_per_s") or row["insert"]["per_s"]
         for batch in (1, 100):
             row[f"ratio_{batch}"] = round(row[f"decide_{batch}"]["per_s"] / reference, 3)
+            row[f"ratio_finish_{batch}"] = round(row[f"finish_{batch}"]["per_s"] / reference, 3)
         row["ratio_insert_1"] = round(row["decide_1"]["per_s"] / row["insert"]["per_s"], 3)
         ctx.log(
-            "  reference {:.0f}/s, decide x1 {:.0f}/s, decide x100 {:.0f}/s".format(
-                reference, row["decide_1"]["per_s"], row["decide_100"]["per_s"]
+            "  reference {:.0f}/s, decide x1 {:.0f}/s (+end {:.0f}/s), decide x100 {:.0f}/s (+end {:.0f}/s)".format(
+                reference,
+                row["decide_1"]["per_s"],
+                row["finish_1"]["per_s"],
+                row["decide_100"]["per_s"],
+                row["finish_100"]["per_s"],
             )
         )
         rows.append(row)

@@ -19,8 +19,11 @@ The rules, which every function below follows:
   expired. Both lock the row, so exactly one of them wins; an expired lease is
   never revived.
 * **Nothing is won until it is committed.** Callers learn what they won from
-  rows read back inside the committed transaction; a database error raises and
-  wins nothing.
+  the rows the claiming statement returned (``RETURNING``) or read back inside
+  the transaction, once it has committed; a database error raises and wins
+  nothing. On PostgreSQL the plain scheduled claim is one call of
+  ``django_anarchon_claim()`` (migration 0003), which follows the same rules
+  in one round trip (see :mod:`.sql`).
 """
 
 from __future__ import annotations

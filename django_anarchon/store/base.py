@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from django.db import OperationalError, connections, router
-from django.db.models import DateTimeField, ExpressionWrapper, F, Func, Max
+from django.db.models import DateTimeField, ExpressionWrapper, Func, Max
 
 from ..models import JobState, Reason, Run, Status
 from ..registry import Job
@@ -173,12 +173,10 @@ def _lock_jobs(names: Sequence[str], *, skip_locked: bool = False) -> dict[str, 
     sqlite = _vendor() == "sqlite"
     skip = skip_locked and not sqlite and connections[db].features.has_select_for_update_skip_locked
 
+    from . import sql  # sql imports this module
+
     def lock(subset: list[str]) -> dict[str, JobState]:
-        if sqlite:
-            states.filter(name__in=subset).update(lock_seq=F("lock_seq") + 1)
-            return {s.name: s for s in states.filter(name__in=subset)}
-        query = states.select_for_update(skip_locked=skip).filter(name__in=subset).order_by("name")
-        return {s.name: s for s in query}
+        return sql.lock_states(subset, skip_locked=skip)
 
     found = lock(names)
     missing = [n for n in names if n not in found]

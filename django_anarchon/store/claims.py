@@ -12,6 +12,7 @@ from django.db.models.functions import Greatest
 
 from ..models import JobState, Reason, Run, Status
 from ..registry import Job
+from . import sql
 from .base import (
     CATCH_UP_LIMIT,
     CatchUp,
@@ -67,15 +68,65 @@ def decide(
     ``early``, undecided: whether to skip, queue or replace is decided at the
     slot, when the running run may have ended.
     """
+    if claims and not catch_ups and sql.can_claim_in_one_statement(claims):
+        # PostgreSQL: the plain case in one round trip; what it leaves
+        # undecided (busy jobs, jobs with no row yet) takes the Python path.
+        outcome, rest = sql.claim_scheduled(
+            claims,
+            owner=owner,
+            instance_id=instance_id,
+            ttl=ttl,
+            capacity=capacity,
+            default_data=default_data,
+            skip_locked=skip_locked,
+        )
+        if rest:
+            more = _decide(
+                rest,
+                (),
+                owner=owner,
+                instance_id=instance_id,
+                ttl=ttl,
+                capacity=capacity - len(outcome.won),
+                default_data=default_data,
+                skip_locked=skip_locked,
+                now_ms=now_ms,
+            )
+            for name in ("won", "skipped", "interrupted", "deferred", "missed", "busy", "early"):
+                getattr(outcome, name).extend(getattr(more, name))
+            outcome.won.sort(key=lambda r: (r.slot, r.job))
+        return outcome
+    return _decide(
+        claims,
+        catch_ups,
+        owner=owner,
+        instance_id=instance_id,
+        ttl=ttl,
+        capacity=capacity,
+        default_data=default_data,
+        skip_locked=skip_locked,
+        now_ms=now_ms,
+    )
+
+
+def _decide(
+    claims: Sequence[Claim],
+    catch_ups: Sequence[CatchUp],
+    *,
+    owner: str,
+    instance_id: str,
+    ttl: float,
+    capacity: int,
+    default_data: Any,
+    skip_locked: bool,
+    now_ms: int | None,
+) -> Outcome:
+    """The Python path of :func:`decide`: every case, in one transaction."""
     outcome = Outcome()
     if claims and not catch_ups:
         # Unlocked first look: an instance that arrives after the slots were
         # decided learns it without taking (or waiting for) any lock.
-        done = set(
-            _runs()
-            .filter(job__in={c.job.name for c in claims}, slot__in={c.slot for c in claims}, attempt=1)
-            .values_list("job", "slot")
-        )
+        done = sql.decided(sorted({c.job.name for c in claims}), sorted({c.slot for c in claims}))
         claims = [c for c in claims if (c.job.name, c.slot) not in done]
     if not claims and not catch_ups:
         return outcome
@@ -95,17 +146,14 @@ def decide(
             all_claims = extra + all_claims
         slots = sorted({c.slot for c in all_claims})
         # One query for both "what is each job doing" and "was this slot decided".
-        rows = list(
-            _runs()
-            .filter(job__in=names)
-            .filter(Q(status__in=[Status.RUNNING, Status.PENDING]) | Q(slot__in=slots, attempt=1))
-            .order_by("slot", "id")
-        )
+        rows = sql.runs_for_decision(names, slots)
         taken = {(r.job, r.slot) for r in rows if r.attempt == 1}
         views = _views_of(r for r in rows if r.status in (Status.RUNNING, Status.PENDING))
         inserts: list[Run] = []
         replace_ids: list[int] = []
         budget = capacity
+        # One expression object per value, so that each is compiled once per batch.
+        now, lease, started = DbNow(), db_in(ttl), {}
         for claim in sorted(all_claims, key=lambda c: (c.slot, c.job.name)):
             job = claim.job
             if states[job.name].paused or (job.name, claim.slot) in taken:
@@ -116,13 +164,13 @@ def decide(
                 outcome.early.append(claim)
                 continue
             status, detail = _overlap(claim, view) if busy else (Status.RUNNING, "")
-            if busy and job.overlap == "replace":
-                replace_ids.extend(r.id for r in view.active if r.id is not None)
             if status == Status.RUNNING:
                 if budget <= 0:
-                    outcome.deferred.append(claim)
+                    outcome.deferred.append(claim)  # and under replace, the active run goes on
                     continue
                 budget -= 1
+            if busy and job.overlap == "replace":
+                replace_ids.extend(r.id for r in view.active if r.id is not None)
             row = Run(
                 job=job.name,
                 slot=claim.slot,
@@ -133,18 +181,20 @@ def decide(
                 scheduled_at=slot_datetime(claim.slot),
                 instance_id=instance_id if status != Status.PENDING else "",
                 owner=owner if status != Status.PENDING else "",
-                created_at=DbNow(),
+                created_at=now,
                 data=_resolved_data(job, default_data),
                 detail=detail,
             )
             if status == Status.RUNNING:
                 # Claimed a few ms ahead of the slot; the handler starts at the slot.
-                row.started_at = Greatest(DbNow(), Value(row.scheduled_at, output_field=DateTimeField()))
-                row.lease_expires_at = db_in(ttl)
+                if claim.slot not in started:
+                    started[claim.slot] = Greatest(now, Value(row.scheduled_at, output_field=DateTimeField()))
+                row.started_at = started[claim.slot]
+                row.lease_expires_at = lease
                 if job.overlap != "allow":
                     view.active = [row]  # later claims of this job in the batch see it busy
             elif status == Status.SKIPPED:
-                row.finished_at = DbNow()
+                row.finished_at = now
             elif status == Status.PENDING:
                 view.queued.append(row)
             taken.add((job.name, claim.slot))
@@ -155,13 +205,16 @@ def decide(
             inserts.extend(missed_rows)
         if inserts:
             # No conflict is possible under the job locks, but run_now() may
-            # pick the same millisecond; ignore_conflicts keeps the batch alive
-            # and the read-back below tells what was really inserted.
-            _runs().bulk_create(inserts, ignore_conflicts=True)
+            # pick the same millisecond; the INSERT leaves out a taken slot
+            # and returns (or the read-back tells) what was really inserted.
+            stored = sql.insert_runs(inserts)
             pairs = {(r.job, r.slot) for r in inserts}
-            mine = _runs().filter(job__in=names, slot__in=sorted({r.slot for r in inserts}), attempt=1, owner=owner)
-            for row in mine:
-                if (row.job, row.slot) not in pairs:
+            if stored is None:
+                stored = list(
+                    _runs().filter(job__in=names, slot__in=sorted({r.slot for r in inserts}), attempt=1, owner=owner)
+                )
+            for row in stored:
+                if (row.job, row.slot) not in pairs or row.owner != owner:
                     continue  # an older row of ours that only shares a job or a slot value
                 if row.status == Status.RUNNING:
                     outcome.won.append(row)

@@ -8,6 +8,7 @@ from typing import Any
 from django.db import transaction
 
 from ..models import Reason, Run, Status
+from . import sql
 from .base import (
     DbNow,
     _runs,
@@ -139,19 +140,8 @@ def finish(
     changes nothing. Idempotent: a retry after a lost reply finds the status
     already written by us and still answers True.
     """
-    done = (
-        _held(owner)
-        .filter(id=run_id)
-        .update(
-            status=status,
-            finished_at=DbNow(),
-            lease_expires_at=None,
-            error_type=error_type[:255],
-            error_message=error_message,
-            traceback=traceback,
-            detail=detail,
-        )
-    )
+    texts = {"error_type": error_type[:255], "error_message": error_message, "traceback": traceback, "detail": detail}
+    done = sql.end_held([run_id], owner=owner, status=status, texts=texts)
     return bool(done) or _runs().filter(id=run_id, owner=owner, status=status, lease_expires_at=None).exists()
 
 
@@ -163,7 +153,7 @@ def finish_many(run_ids: Sequence[int], *, owner: str) -> set[int]:
     can only have been written by us: each attempt ends once).
     """
     ids = list(run_ids)
-    done = _held(owner).filter(id__in=ids).update(status=Status.SUCCESS, finished_at=DbNow(), lease_expires_at=None)
+    done = sql.end_held(ids, owner=owner, status=Status.SUCCESS)
     if done == len(ids):
         return set(ids)
     return set(_runs().filter(id__in=ids, owner=owner, status=Status.SUCCESS).values_list("id", flat=True))

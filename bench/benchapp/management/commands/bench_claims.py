@@ -3,10 +3,12 @@
 ``--mode decide``: the engine's own claim path. Walks the same sequence of (job, slot)
 batches as every other client, so that all clients race for every slot: for each batch it
 runs :func:`django_anarchon.store.decide` the way the scheduler loop does (with
-``skip_locked`` where the engine has it, trying the jobs another client holds again
-``BUSY_RETRY_MS`` later) and, for each run it won, :func:`django_anarchon.store.finish`
-(what the runner records when the handler returns). Every claim decided is one decision:
-won, or lost to the client that got there first.
+``skip_locked`` where the engine has it; jobs another client holds are tried again
+``BUSY_RETRY_MS`` later while the client goes on with the next slots, as the loop does).
+With ``--finish``, each batch's won runs are then recorded as ended
+(:func:`django_anarchon.store.finish_many`, what the recorder does when handlers return).
+Every claim decided is one decision: won, or lost to the client that got there first.
+``--mode setup`` creates the job rows first, once, as an instance does when it starts.
 
 ``--mode insert``: the reference, a one-row INSERT with a primary-key conflict check on a
 random key, one transaction each, through the same Django connection.
@@ -14,6 +16,7 @@ random key, one transaction each, through the same Django connection.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
 import random
@@ -35,16 +38,17 @@ class Command(BaseCommand):
     help = "A closed-loop claiming client for the claim-throughput benchmark."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--mode", choices=["decide", "insert"], required=True)
+        parser.add_argument("--mode", choices=["setup", "decide", "insert"], required=True)
         parser.add_argument("--batch", type=int, default=1, help="claims per transaction (slots due at once)")
         parser.add_argument("--jobs", type=int, default=1000)
         parser.add_argument("--base", type=int, required=True, help="first slot (ms); the same for every client")
         parser.add_argument("--start-at", type=float, required=True, help="time.time() to start at")
         parser.add_argument("--seconds", type=float, required=True)
+        parser.add_argument("--finish", action="store_true", help="also record each won run as ended (success)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         deadline = options["start_at"] + options["seconds"]
-        measure = self._decide if options["mode"] == "decide" else self._insert
+        measure = self._insert if options["mode"] == "insert" else self._decide
         counts = measure(options, deadline)
         self.stdout.write(json.dumps(counts))
 
@@ -59,18 +63,24 @@ class Command(BaseCommand):
         for i in range(options["jobs"]):
             scheduler.every(f"claim-{i:05d}", "1s", _noop)
         jobs, batch, base = scheduler.jobs, options["batch"], options["base"]
+        if options["mode"] == "setup":
+            store.ensure_jobs(jobs)  # as an instance does when it starts: the job rows exist before any claim
+            return {"jobs": len(jobs)}
         owner = uuid.uuid4().hex
         # What the loop passes (engines before skip_locked simply wait for the lock).
         extra: dict[str, Any] = {}
         if "skip_locked" in inspect.signature(store.decide).parameters:
             extra["skip_locked"] = True
         retry_s = getattr(engine, "BUSY_RETRY_MS", 5) / 1000
+        finish_many = getattr(store, "finish_many", None)
         counts = {"decisions": 0, "won": 0, "skipped": 0, "deferred": 0, "busy": 0, "transactions": 0, "errors": 0}
         counts["late_start_ms"] = round(self._wait(options["start_at"]) * 1000)
         k = 0
-        claims: list[store.Claim] = []
-        while time.time() < deadline:
-            if not claims:
+        retries: collections.deque[tuple[float, list[store.Claim]]] = collections.deque()
+        while (now := time.time()) < deadline:
+            if retries and retries[0][0] <= now:
+                claims = retries.popleft()[1]
+            else:
                 first = k * batch
                 slot = base + (first // len(jobs)) * 1000
                 start = first % len(jobs)
@@ -78,22 +88,31 @@ class Command(BaseCommand):
                 k += 1
             try:
                 outcome = store.decide(claims, owner=owner, instance_id=owner[:8], ttl=30, capacity=batch, **extra)
-                for run in outcome.won:
-                    store.finish(run.id, owner=owner, status="success")
-            except DatabaseError:  # SQLite: "database is locked" past the busy timeout; the engine retries too
+                if options["finish"] and outcome.won:
+                    if finish_many is not None:  # what the recorder does for runs that succeeded
+                        finish_many([run.id for run in outcome.won], owner=owner)
+                    else:
+                        for run in outcome.won:
+                            store.finish(run.id, owner=owner, status="success")
+            except DatabaseError as error:  # SQLite: "database is locked" past the busy timeout; the engine retries too
                 counts["errors"] += 1
+                if counts["errors"] == 1:
+                    self.stderr.write(f"first error: {error!r}")
                 connection.close()
+                retries.append((time.time() + retry_s, claims))
                 continue
             busy = set(getattr(outcome, "busy", ()))
-            counts["transactions"] += 1 + len(outcome.won)
+            counts["transactions"] += 1 + (1 if options["finish"] and outcome.won else 0)
             counts["decisions"] += len(claims) - len(outcome.deferred) - len(busy)
             counts["won"] += len(outcome.won)
             counts["skipped"] += len(outcome.skipped)
             counts["deferred"] += len(outcome.deferred)
             counts["busy"] += len(busy)
-            claims = [c for c in claims if c.job.name in busy]
-            if claims:
-                time.sleep(retry_s)  # as the loop does: another instance is deciding these right now
+            again = [c for c in claims if c.job.name in busy]
+            if again:
+                # As the loop does: another instance is deciding these right now; try
+                # them again a little later and go on with the next slots meanwhile.
+                retries.append((time.time() + retry_s, again))
         counts["lost"] = counts["decisions"] - counts["won"] - counts["skipped"]
         return counts
 
