@@ -50,6 +50,8 @@ logger = logging.getLogger("django_anarchon")
 T = TypeVar("T")
 _FAILED: Any = object()
 BUSY_RETRY_MS = 20
+# Claims are made a random 20 ms to this far ahead of their slot (see _draw_claim_ahead).
+CLAIM_AHEAD_SPAN_MS = 100.0
 
 
 def _uncertainty_ms(rtt: float) -> float:
@@ -128,6 +130,7 @@ class Engine:
         self._stopping = threading.Event()
         self._started = threading.Event()
         self._poll_requested = True
+        self._room_wanted = False  # due slots wait for a worker: wake the loop when a handler returns
         self._waiting_jobs: set[str] = set()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -240,16 +243,28 @@ class Engine:
             return list(self._active.values())
 
     def _draw_claim_ahead(self) -> None:
-        """How far ahead of a slot to claim it this turn: about twice the recent claim time, 10 to 200 ms.
+        """How far ahead of a slot to claim it this turn.
 
-        Jittered per turn, so that the instance with the slowest claims (the one
-        that has been winning) does not always wake first and win again.
+        At least twice the recent claim time (10 to 200 ms), so that a claim is
+        committed before its slot; above that, a fresh draw from the same range
+        on every instance (20 ms to ``CLAIM_AHEAD_SPAN_MS``). The instance that
+        claims first wins the slots, so drawing from one range spreads the wins
+        across instances; a lead that tracked the claim time alone made the
+        instance whose claims took longest (the one writing the rows: the
+        winner) win every time.
         """
-        self.claim_ahead_ms = int(min(200.0, max(10.0, 2 * self._claim_ms)) * random.uniform(0.6, 1.0))  # noqa: S311
+        floor = min(200.0, max(10.0, 2 * self._claim_ms))
+        self.claim_ahead_ms = int(max(floor, random.uniform(20.0, CLAIM_AHEAD_SPAN_MS)))  # noqa: S311
 
     def capacity(self) -> int:
+        """How many more runs may start here: ``MAX_WORKERS`` less the runs whose handler has not returned."""
         with self._active_lock:
-            return self.settings.max_workers - len(self._active)
+            return self.settings.max_workers - sum(1 for active in self._active.values() if not active.returned)
+
+    def handler_returned(self) -> None:
+        """A run's handler is over: if slots wait for room, let the loop claim them now."""
+        if self._room_wanted:
+            self._wake.set()
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         """The event loop async handlers run on, started on first use."""
@@ -332,6 +347,7 @@ class Engine:
                     # At capacity, due slots wait here (not in the database) until a run
                     # ends and wakes the loop; other instances may take them meanwhile.
                     room = self.capacity() > 0
+                    self._room_wanted = not room
                     if room and self._due(self.clock.now_ms()):
                         self._dispatch_due()
                     mono = time.monotonic()
@@ -484,7 +500,8 @@ class Engine:
             self._entry[name] = entry = next(self._entries)
             heapq.heappush(self._exact, (claim.slot, entry, name))
         if outcome.deferred:
-            # No room for these here: they stay due and are retried as soon as a run ends.
+            # No room for these here: they stay due and are retried as soon as a handler returns.
+            self._room_wanted = True
             for claim in outcome.deferred:
                 self._reschedule(claim.job.name, min(claim.slot, previous.get(claim.job.name, claim.slot)), now)
 

@@ -32,7 +32,11 @@ class Clock:
         self._wall_minus_monotonic = time.time() - time.monotonic()
 
     def now_ms(self) -> int:
-        return int(time.time() * 1000 + self.offset_ms)
+        return int(self.exact_ms())
+
+    def exact_ms(self) -> float:
+        """The database-corrected time in ms, with the fraction (for waiting until an instant)."""
+        return time.time() * 1000 + self.offset_ms
 
     def monotonic(self) -> float:
         return time.monotonic()
