@@ -68,45 +68,24 @@ def decide(
     ``early``, undecided: whether to skip, queue or replace is decided at the
     slot, when the running run may have ended.
     """
+    common: dict[str, Any] = {
+        "owner": owner,
+        "instance_id": instance_id,
+        "ttl": ttl,
+        "default_data": default_data,
+        "skip_locked": skip_locked,
+    }
     if claims and not catch_ups and sql.can_claim_in_one_statement(claims):
         # PostgreSQL: the plain case in one round trip; what it leaves
         # undecided (busy jobs, jobs with no row yet) takes the Python path.
-        outcome, rest = sql.claim_scheduled(
-            claims,
-            owner=owner,
-            instance_id=instance_id,
-            ttl=ttl,
-            capacity=capacity,
-            default_data=default_data,
-            skip_locked=skip_locked,
-        )
+        outcome, rest = sql.claim_scheduled(claims, capacity=capacity, **common)
         if rest:
-            more = _decide(
-                rest,
-                (),
-                owner=owner,
-                instance_id=instance_id,
-                ttl=ttl,
-                capacity=capacity - len(outcome.won),
-                default_data=default_data,
-                skip_locked=skip_locked,
-                now_ms=now_ms,
-            )
+            more = _decide(rest, (), capacity=capacity - len(outcome.won), now_ms=now_ms, **common)
             for name in ("won", "skipped", "interrupted", "deferred", "missed", "busy", "early"):
                 getattr(outcome, name).extend(getattr(more, name))
             outcome.won.sort(key=lambda r: (r.slot, r.job))
         return outcome
-    return _decide(
-        claims,
-        catch_ups,
-        owner=owner,
-        instance_id=instance_id,
-        ttl=ttl,
-        capacity=capacity,
-        default_data=default_data,
-        skip_locked=skip_locked,
-        now_ms=now_ms,
-    )
+    return _decide(claims, catch_ups, capacity=capacity, now_ms=now_ms, **common)
 
 
 def _decide(
