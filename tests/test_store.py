@@ -177,6 +177,26 @@ def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsew
         assert "RETURNING" in statements[-1] or not connection.features.can_return_rows_from_bulk_insert
 
 
+def test_claims_still_work_and_say_so_when_the_claim_function_was_not_migrated(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from django.db import connection
+
+    from django_anarchon.store import sql
+
+    job = make_job()
+    if connection.vendor != "postgresql":
+        assert not sql.can_claim_in_one_statement([store.Claim(job, SLOT)]), "PostgreSQL only"
+        return
+    monkeypatch.setattr(sql, "CLAIM_FUNCTION", "django_anarchon_claim_not_migrated")
+    monkeypatch.setattr(sql, "_MISSING_FUNCTION", set())
+    with caplog.at_level("WARNING", logger="django_anarchon"):
+        assert len(decide([store.Claim(job, SLOT)]).won) == 1
+        assert len(decide([store.Claim(job, SLOT + 1000)]).skipped) == 1, "the Python path decides the rest"
+    warnings = [r.getMessage() for r in caplog.records if "migrate" in r.getMessage()]
+    assert len(warnings) == 1 and "django_anarchon_claim_not_migrated" in warnings[0]
+
+
 def test_a_batch_mixing_idle_and_busy_jobs_is_decided_by_each_jobs_overlap() -> None:
     """On PostgreSQL the idle jobs go through the one-statement claim, the busy ones through Python."""
     skip, queue, allow, idle = (

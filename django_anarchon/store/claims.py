@@ -78,7 +78,10 @@ def decide(
     if claims and not catch_ups and sql.can_claim_in_one_statement(claims):
         # PostgreSQL: the plain case in one round trip; what it leaves
         # undecided (busy jobs, jobs with no row yet) takes the Python path.
-        outcome, rest = sql.claim_scheduled(claims, capacity=capacity, **common)
+        try:
+            outcome, rest = sql.claim_scheduled(claims, capacity=capacity, **common)
+        except sql.NoClaimFunction:
+            return _decide(claims, (), capacity=capacity, now_ms=now_ms, **common)
         if rest:
             more = _decide(rest, (), capacity=capacity - len(outcome.won), now_ms=now_ms, **common)
             for name in ("won", "skipped", "interrupted", "deferred", "missed", "busy", "early"):

@@ -19,13 +19,13 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from django.db import connections
+from django.db import ProgrammingError, connections
 from django.db.models import Model
 from django.db.models.constants import OnConflict
 from django.db.models.sql import Query
 
 from ..models import JobState, Reason, Run, Status
-from .base import Claim, DbNow, Outcome, _resolved_data, alias, slot_datetime
+from .base import Claim, DbNow, Outcome, _resolved_data, alias, logger, slot_datetime
 
 _ACTIVE = (Status.RUNNING, Status.PENDING)
 _NOW_SQL: dict[str, str] = {}  # vendor -> the database clock's SQL
@@ -33,6 +33,7 @@ _NOW_SQL: dict[str, str] = {}  # vendor -> the database clock's SQL
 # transaction holds (most often another instance's claim of the same slot, which takes
 # about a millisecond) before answering "busy"; a busy job costs a retry ~20 ms later.
 LOCK_WAIT_MS = 10
+CLAIM_FUNCTION = "django_anarchon_claim"  # created by migration 0003
 
 
 def _marks(count: int) -> str:
@@ -210,12 +211,20 @@ def end_held(ids: Iterable[int], *, owner: str, status: str, texts: dict[str, st
         return int(cursor.rowcount)
 
 
+class NoClaimFunction(Exception):
+    """``django_anarchon_claim()`` is not in the database: migration 0003 has not been applied."""
+
+
+_MISSING_FUNCTION: set[str] = set()  # aliases found without the function (warned once)
+
+
 def can_claim_in_one_statement(claims: Sequence[Claim]) -> bool:
     """Whether ``django_anarchon_claim()`` (migration 0003, PostgreSQL) can decide ``claims``.
 
     Scheduled claims only: catch-up claims and waiting ones need the Python path.
     """
-    if connections[alias()].vendor != "postgresql":
+    db = alias()
+    if connections[db].vendor != "postgresql" or db in _MISSING_FUNCTION:
         return False
     return all(c.reason == Reason.SCHEDULED and not c.wait for c in claims)
 
@@ -256,13 +265,26 @@ def claim_scheduled(
     ]
     outcome = Outcome()
     undecided: list[Claim] = []
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT * FROM django_anarchon_claim(%s::text[], %s::bigint[], %s::boolean[], %s::text[], "
-            "%s, %s, %s, %s, %s, %s)",
-            params,
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT * FROM {CLAIM_FUNCTION}(%s::text[], %s::bigint[], %s::boolean[], %s::text[], "
+                "%s, %s, %s, %s, %s, %s)",
+                params,
+            )
+            rows = cursor.fetchall()
+    except ProgrammingError as error:
+        if getattr(error.__cause__, "sqlstate", None) != "42883":  # undefined_function
+            raise
+        # The package is newer than the database's migrations: claim the slow way, and say so once.
+        _MISSING_FUNCTION.add(db)
+        logger.warning(
+            "Database %r has no %s() function: run `manage.py migrate django_anarchon`. "
+            "Claims take the slower general path meanwhile.",
+            db,
+            CLAIM_FUNCTION,
         )
-        rows = cursor.fetchall()
+        raise NoClaimFunction from error
     for kind, job, slot, run_id, created_at, started_at, lease_expires_at in rows:
         if kind == "busy":
             outcome.busy.append(job)
