@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.cluster import MANAGE, ROOT
@@ -25,19 +26,20 @@ from bench.context import Context, reset_database
 from bench.dbconf import DB_NAME
 
 SCRIPT = ROOT / "bench" / "pgbench_claim.sql"
+FUNCTION_SCRIPT = ROOT / "bench" / "pgbench_claim_function.sql"
 # More jobs than the fastest run walks through in a window: no job's next slot comes
 # round while its run (never ended without --finish) still counts as running.
 JOBS = 30000
 
 
-def pgbench(clients: int, seconds: int) -> float:
-    """pgbench's transactions per second for the one-row claim INSERT at ``clients`` clients."""
-    reset_database()
+def pgbench(clients: int, seconds: int, script: Path = SCRIPT, define: dict[str, int] | None = None) -> float:
+    """pgbench's transactions per second running ``script`` at ``clients`` clients."""
     host = os.environ.get("ANARCHON_BENCH_PG_HOST", "127.0.0.1")
     user = os.environ.get("ANARCHON_BENCH_PG_USER", "postgres")
+    variables = [f"-D{name}={value}" for name, value in (define or {}).items()]
     done = subprocess.run(
         ["pgbench", "-h", host, "-U", user, "-n", "-c", str(clients), "-j", str(clients), "-T", str(seconds)]
-        + ["-f", str(SCRIPT), DB_NAME],
+        + [*variables, "-f", str(script), DB_NAME],
         capture_output=True,
         text=True,
         check=True,
@@ -46,6 +48,27 @@ def pgbench(clients: int, seconds: int) -> float:
     if found is None:
         raise RuntimeError(f"could not read pgbench's output:\n{done.stdout}\n{done.stderr}")
     return float(found.group(1))
+
+
+def claim_function(ctx: Context, count: int, seconds: int) -> float:
+    """pgbench calling ``django_anarchon_claim()`` for slots that all ``count`` clients race for.
+
+    The database side of ``decide_1`` with no Python client: what the claim itself costs
+    PostgreSQL, against the one-row INSERT of the reference.
+    """
+    from django.db import connection
+
+    reset_database()
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "bench.settings", "ANARCHON_BENCH_DB": ctx.db}
+    setup = [sys.executable, str(MANAGE), "bench_claims", "--mode", "setup", "--jobs", str(JOBS)]
+    setup += ["--base", "0", "--start-at", "0", "--seconds", "0"]
+    subprocess.run(setup, cwd=ROOT, env=env, check=True, capture_output=True)
+    with connection.cursor() as cursor:
+        cursor.execute("DROP SEQUENCE IF EXISTS anarchon_bench_claim_seq")
+        cursor.execute("CREATE SEQUENCE anarchon_bench_claim_seq")
+    connection.close()
+    base = (int(time.time()) - 3600) * 1000
+    return pgbench(count, seconds, FUNCTION_SCRIPT, {"clients": count, "jobs": JOBS, "base": base})
 
 
 def clients(ctx: Context, mode: str, count: int, seconds: int, batch: int = 1, finish: bool = False) -> dict[str, Any]:
@@ -94,7 +117,10 @@ def run(ctx: Context) -> dict[str, Any]:
         row: dict[str, Any] = {"clients": count}
         if ctx.db == "postgres":
             ctx.log(f"claims: pgbench -c {count}")
+            reset_database()
             row["pgbench_per_s"] = round(pgbench(count, seconds), 1)
+            ctx.log(f"claims: pgbench -c {count} calling the claim function (no Python)")
+            row["pgbench_function_per_s"] = round(claim_function(ctx, count, seconds), 1)
         ctx.log(f"claims: one-row INSERT from {count} Python clients")
         row["insert"] = clients(ctx, "insert", count, seconds)
         for batch in (1, 100):
@@ -107,6 +133,8 @@ def run(ctx: Context) -> dict[str, Any]:
             row[f"ratio_{batch}"] = round(row[f"decide_{batch}"]["per_s"] / reference, 3)
             row[f"ratio_finish_{batch}"] = round(row[f"finish_{batch}"]["per_s"] / reference, 3)
         row["ratio_insert_1"] = round(row["decide_1"]["per_s"] / row["insert"]["per_s"], 3)
+        if "pgbench_function_per_s" in row:
+            row["ratio_function"] = round(row["pgbench_function_per_s"] / reference, 3)
         ctx.log(
             "  reference {:.0f}/s, decide x1 {:.0f}/s (+end {:.0f}/s), decide x100 {:.0f}/s (+end {:.0f}/s)".format(
                 reference,
