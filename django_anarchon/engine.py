@@ -344,8 +344,8 @@ class Engine:
                         self._stopping.wait(self._backoff)
                         if self._stopping.is_set():
                             break
-                    # At capacity, due slots wait here (not in the database) until a run
-                    # ends and wakes the loop; other instances may take them meanwhile.
+                    # At capacity, due slots wait here (not in the database) until a handler
+                    # returns and wakes the loop; other instances may take them meanwhile.
                     room = self.capacity() > 0
                     self._room_wanted = not room
                     if room and self._due(self.clock.now_ms()):

@@ -210,9 +210,12 @@ class Starter:
                         self._thread = None
                         return
                     now = self._now_ms()
-                    due = [entry for entry in self._waiting if entry[0] <= now or entry[2].signal.aborted]
+                    due: list[tuple[int, int, ActiveRun]] = []
+                    later: list[tuple[int, int, ActiveRun]] = []
+                    for entry in self._waiting:
+                        (due if entry[0] <= now or entry[2].signal.aborted else later).append(entry)
                     if due:
-                        self._waiting = [entry for entry in self._waiting if entry not in due]
+                        self._waiting = later
                         heapq.heapify(self._waiting)
                         break
                     self._changed.wait((self._waiting[0][0] - now) / 1000)

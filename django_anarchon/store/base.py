@@ -167,25 +167,20 @@ def _lock_jobs(names: Sequence[str], *, skip_locked: bool = False) -> dict[str, 
     those jobs to be retried, rather than queueing behind an instance that is
     deciding the very same slots.
     """
+    from . import sql  # sql imports this module
+
     names = sorted(set(names))
     db = alias()
     states = JobState.objects.using(db)
-    sqlite = _vendor() == "sqlite"
-    skip = skip_locked and not sqlite and connections[db].features.has_select_for_update_skip_locked
-
-    from . import sql  # sql imports this module
-
-    def lock(subset: list[str]) -> dict[str, JobState]:
-        return sql.lock_states(subset, skip_locked=skip)
-
-    found = lock(names)
+    skip = skip_locked and _vendor() != "sqlite" and connections[db].features.has_select_for_update_skip_locked
+    found = sql.lock_states(names, skip_locked=skip)
     missing = [n for n in names if n not in found]
     if skip and missing:
         held_elsewhere = set(states.filter(name__in=missing).values_list("name", flat=True))
         missing = [n for n in missing if n not in held_elsewhere]
     if missing:
         states.bulk_create([JobState(name=n, first_seen=DbNow()) for n in missing], ignore_conflicts=True)
-        found.update(lock(missing))
+        found.update(sql.lock_states(missing, skip_locked=skip))
     return found
 
 
