@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -50,8 +51,10 @@ logger = logging.getLogger("django_anarchon")
 T = TypeVar("T")
 _FAILED: Any = object()
 BUSY_RETRY_MS = 20
-# Claims are made a random 20 ms to this far ahead of their slot (see _draw_claim_ahead).
-CLAIM_AHEAD_SPAN_MS = 100.0
+# The random part of how far ahead of its slot an instance claims its share (see _draw_claim_ahead).
+CLAIM_AHEAD_JITTER_MS = (10.0, 40.0)
+# How old the list of live instances may be when slots are claimed (see _read_peers).
+PEERS_REFRESH_S = 2.0
 
 
 def _uncertainty_ms(rtt: float) -> float:
@@ -121,7 +124,8 @@ class Engine:
         # (wake time ms, entry number, job): a job's entry number changes whenever it is
         # pushed again, so an older entry still in the heap is recognised and dropped.
         self._heap: list[tuple[int, int, str]] = []
-        # Entries due at their exact time, without claiming ahead (a busy job's slot).
+        # Entries due at their exact time, without claiming ahead: a busy job's slot at
+        # the slot, another instance's share of an instant at the backup lead.
         self._exact: list[tuple[int, int, str]] = []
         self._entry: dict[str, int] = {}
         self._entries = itertools.count()
@@ -141,7 +145,12 @@ class Engine:
         self._warned: set[str] = set()
         self._next_prune = 0.0  # the first housekeeping turn prunes, then hourly
         self._claim_ms = 20.0  # how long claiming transactions take here: recent highs, decaying
-        self.claim_ahead_ms = 20
+        self.claim_ahead_ms = 70
+        self.backup_ahead_ms = 40
+        # Tokens of the live instances, sorted: the same list on every instance, which
+        # shares out the slots of an instant among them (see _preferred).
+        self._peers: tuple[str, ...] = ()
+        self._peers_read_at = -PEERS_REFRESH_S
         self._clock_samples: list[tuple[float, float]] = []  # (round trip ms, offset ms)
         self.stopped = threading.Event()
 
@@ -243,18 +252,50 @@ class Engine:
             return list(self._active.values())
 
     def _draw_claim_ahead(self) -> None:
-        """How far ahead of a slot to claim it this turn.
+        """How far ahead of a slot to claim it this turn: its share first, then the rest.
 
-        At least twice the recent claim time (10 to 200 ms), so that a claim is
-        committed before its slot; above that, a fresh draw from the same range
-        on every instance (20 ms to ``CLAIM_AHEAD_SPAN_MS``). The instance that
-        claims first wins the slots, so drawing from one range spreads the wins
-        across instances; a lead that tracked the claim time alone made the
-        instance whose claims took longest (the one writing the rows: the
-        winner) win every time.
+        An instance claims the slots it is preferred for (:meth:`_preferred`)
+        ``claim_ahead_ms`` ahead, and the other slots of the same instant
+        ``backup_ahead_ms`` ahead, in case their preferred instance is gone or
+        slow. The backup lead is twice the recent claim time (20 to 150 ms), so
+        that a backup claim still commits before the slot; the first lead adds
+        one claim time (5 to 60 ms) and a little jitter, so that a peer's claim
+        of its share has committed before this instance looks at it, and the
+        backup pass usually finds those slots decided in one unlocked read.
         """
-        floor = min(200.0, max(10.0, 2 * self._claim_ms))
-        self.claim_ahead_ms = int(max(floor, random.uniform(20.0, CLAIM_AHEAD_SPAN_MS)))  # noqa: S311
+        claim = self._claim_ms
+        self.backup_ahead_ms = int(min(150.0, max(20.0, 2 * claim)))
+        lead = self.backup_ahead_ms + min(60.0, max(5.0, claim)) + random.uniform(*CLAIM_AHEAD_JITTER_MS)  # noqa: S311
+        self.claim_ahead_ms = int(lead)
+
+    def _preferred(self, name: str, slot: int) -> bool:
+        """Whether this instance claims ``slot`` of job ``name`` in the first pass.
+
+        Every instance reads the same sorted list of live instances and hashes
+        (job, slot) onto it, so each slot has one preferred instance and the
+        slots due at one instant are shared out among the instances (their
+        handlers then start in several processes, not a hundred in one). This
+        only orders the attempts: the claim itself is decided by the database as
+        always, the other instances claim the slot too just before it is due if
+        it is still undecided, and instances whose lists differ for a moment
+        (one just started or stopped) at worst both try first.
+        """
+        peers = self._peers
+        if len(peers) < 2:
+            return True
+        return peers[zlib.crc32(f"{name}@{slot}".encode()) % len(peers)] == self.token
+
+    def _read_peers(self) -> None:
+        """Read the live instances, including this one (heartbeats in the last three intervals).
+
+        Read when slots are about to be claimed and the list is older than
+        ``PEERS_REFRESH_S``, so that an instance that has just started gets its
+        share within seconds, and an idle instance sends no query for it.
+        """
+        self._peers_read_at = self.clock.monotonic()
+        tokens = self._db(store.live_instances, 3 * self._heartbeat_every() + 1)
+        if tokens is not _FAILED:
+            self._peers = tuple(sorted({*tokens, self.token}))
 
     def capacity(self) -> int:
         """How many more runs may start here: ``MAX_WORKERS`` less the runs whose handler has not returned."""
@@ -454,11 +495,14 @@ class Engine:
             )
 
     def _dispatch_due(self) -> None:
+        if self.clock.monotonic() - self._peers_read_at >= PEERS_REFRESH_S:
+            self._read_peers()
         now = self.clock.now_ms()
         # Claim a little ahead of the slot, so that the database round trips are
         # done by the time it is due; the run's worker starts the handler at the
         # slot itself, never before (Runner._execute).
         horizon = now + self.claim_ahead_ms
+        backup = now + self.backup_ahead_ms
         claims: list[store.Claim] = []
         catch_ups: list[store.CatchUp] = []
         previous: dict[str, int] = {}
@@ -474,6 +518,17 @@ class Engine:
             plan = plan_due(job.schedule, slot, horizon, self.grace_ms)
             if plan.catch_up_until is not None:
                 catch_ups.append(store.CatchUp(job, plan.catch_up_until))
+            if (
+                plan.claim is not None
+                and plan.catch_up_until is None
+                and plan.claim > backup
+                and not self._preferred(name, plan.claim)
+            ):
+                # Another instance's share: claim it only if still undecided just before the slot.
+                self._next_slot[name] = plan.claim
+                self._entry[name] = entry = next(self._entries)
+                heapq.heappush(self._exact, (plan.claim - self.backup_ahead_ms, entry, name))
+                continue
             if plan.claim is not None:
                 claims.append(store.Claim(job, plan.claim))
             previous[name] = slot

@@ -10,15 +10,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import OperationalError
 from django.test import override_settings
+from django.utils import timezone
 
 from django_anarchon import Context, Interrupted, Scheduler, signals, store
-from django_anarchon.models import JobState, Run
+from django_anarchon.models import Instance, JobState, Run
 from tests.conftest import ON_DEMAND, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -638,3 +640,46 @@ def test_claiming_ahead_does_not_skip_the_slot_after_a_run_that_ends_just_in_tim
     runs = finished("snug", 8, timeout=10)
     statuses = [r.status for r in runs[2:]]  # the first starts late, at start-up, and may overrun the second
     assert statuses and "skipped" not in statuses, statuses
+
+
+def test_the_share_of_a_live_instance_that_never_claims_is_claimed_just_before_the_slot(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen peer still counts as live for a few heartbeats: its share of every instant runs anyway, on time."""
+    later = timezone.now() + timedelta(hours=1)
+    Instance.objects.create(
+        token="ghost", instance_id="ghost", host="nowhere", pid=1, started_at=later, last_heartbeat=later
+    )
+    leads: dict[tuple[str, int], int] = {}  # how far ahead of its slot each one was first claimed
+    real = store.decide
+
+    def recording(claims: list[store.Claim], catch_ups: list[store.CatchUp], **kwargs: Any) -> Any:
+        if kwargs.get("now_ms") is not None:
+            for claim in claims:
+                leads.setdefault((claim.job.name, claim.slot), claim.slot - kwargs["now_ms"])
+        return real(claims, catch_ups, **kwargs)
+
+    monkeypatch.setattr(store, "decide", recording)
+    for n in range(12):
+        sched.every(f"share-{n}", "500ms", lambda ctx: None)
+    start(sched)
+    engine = sched._engine
+    assert engine is not None
+    wait_for(lambda: "ghost" in engine._peers and len(engine._peers) == 2, 5, what="the ghost among the live instances")
+    first = int(time.time() * 1000) // 500 * 500 + 1000
+    wait_for(lambda: Run.objects.filter(job="share-0", slot__gte=first + 2000).exists(), 10, what="five instants")
+    slots = range(first, first + 2500, 500)
+    ghosts = {(f"share-{n}", s) for n in range(12) for s in slots if not engine._preferred(f"share-{n}", s)}
+    assert 0 < len(ghosts) < 60, "the ghost is preferred for part of every instant"
+    wait_for(
+        lambda: Run.objects.filter(job__startswith="share-", slot__in=slots, status="success").count() == 60,
+        10,
+        what="every slot of the five instants to have run, the ghost's share too",
+    )
+    assert {r.instance_id for r in Run.objects.filter(slot__in=slots)} == {"engine-test"}
+    for slot in slots:
+        theirs = [leads[(n, s)] for n, s in leads if s == slot and (n, s) in ghosts]
+        mine = [leads[(n, s)] for n, s in leads if s == slot and (n, s) not in ghosts]
+        assert theirs and mine, f"slot {slot}: both shares were claimed ({leads})"
+        assert max(theirs) <= 150, "the ghost's share waits for the backup lead (at most 150 ms)"
+        assert min(mine) >= max(theirs), "this instance's own share is claimed first"

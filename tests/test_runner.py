@@ -7,12 +7,17 @@ is a number the test moves.
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
+from django_anarchon import store
 from django_anarchon.conf import parse
 from django_anarchon.engine import Engine
+from django_anarchon.registry import Registry, build_job
 from django_anarchon.runner import ActiveRun, Starter, Workers
+from django_anarchon.timing import Clock
 from tests.conftest import wait_for
 
 
@@ -106,19 +111,103 @@ def test_capacity_counts_runs_whose_handler_has_not_returned() -> None:
     assert engine.capacity() == 1
 
 
-def test_every_instance_draws_its_claim_ahead_lead_from_the_same_range(monkeypatch: Any) -> None:
-    """The instance that claims first wins: a lead that grew with the claim time kept the winner winning."""
+def test_the_claim_leads_leave_room_for_a_peers_claim_between_the_passes(monkeypatch: Any) -> None:
+    """Backup lead: twice the claim time (20-150 ms); first lead: the backup lead plus a claim time and jitter."""
     import django_anarchon.engine as engine_module
 
-    fast = Engine([], parse({}), instance_id="fast")
-    slow = Engine([], parse({}), instance_id="slow")
-    fast._claim_ms, slow._claim_ms = 4.0, 30.0  # slow: its claims write the rows it won
-    for draw in (20.0, 61.0, 100.0):
-        monkeypatch.setattr(engine_module.random, "uniform", lambda low, high, draw=draw: draw)
-        fast._draw_claim_ahead()
-        slow._draw_claim_ahead()
-        assert fast.claim_ahead_ms == int(draw)
-        assert slow.claim_ahead_ms == max(60, int(draw)), "at least twice its claim time, else the same draw"
-    slow._claim_ms = 500.0
-    slow._draw_claim_ahead()
-    assert slow.claim_ahead_ms == 200, "never more than 200 ms ahead"
+    engine = Engine([], parse({}), instance_id="leads")
+    for claim_ms, backup in ((2.0, 20), (30.0, 60), (500.0, 150)):
+        engine._claim_ms = claim_ms
+        for jitter in (10.0, 40.0):
+            monkeypatch.setattr(engine_module.random, "uniform", lambda low, high, jitter=jitter: jitter)
+            engine._draw_claim_ahead()
+            assert engine.backup_ahead_ms == backup
+            assert engine.claim_ahead_ms == int(backup + min(60.0, max(5.0, claim_ms)) + jitter)
+            assert engine.claim_ahead_ms - engine.backup_ahead_ms >= min(claim_ms, 60.0), "a peer's claim fits between"
+            assert engine.claim_ahead_ms <= 250, "never far ahead of the slot"
+
+
+class FixedClock(Clock):
+    def __init__(self, now_ms: int) -> None:
+        super().__init__()
+        self.at = now_ms
+
+    def now_ms(self) -> int:
+        return self.at
+
+
+SLOT = 1_800_000_000_000
+
+
+def sharing_engines(count: int, jobs: int, clock: Clock | None = None) -> list[Engine]:
+    declared = Registry()
+    for n in range(jobs):
+        declared.add(build_job("interval", f"job-{n}", "1s", lambda ctx: None, {}))
+    engines = [Engine(list(declared), parse({}), instance_id=f"i{n}", clock=clock) for n in range(count)]
+    peers = tuple(sorted(engine.token for engine in engines))
+    for engine in engines:
+        engine._peers = peers
+    return engines
+
+
+def test_each_slot_has_one_preferred_instance_and_the_instances_share_them_evenly() -> None:
+    engines = sharing_engines(3, 100)
+    shares = Counter()
+    for slot in range(SLOT, SLOT + 10_000, 1000):
+        for name in engines[0].jobs:
+            preferred = [engine.instance_id for engine in engines if engine._preferred(name, slot)]
+            assert len(preferred) == 1, f"{name}@{slot} is preferred by {preferred}"
+            shares[preferred[0]] += 1
+    assert set(shares) == {"i0", "i1", "i2"}
+    assert all(250 <= count <= 420 for count in shares.values()), f"uneven share of 1000 slots: {shares}"
+    alone = sharing_engines(1, 5)[0]
+    assert all(alone._preferred(name, SLOT) for name in alone.jobs), "an instance alone claims everything at once"
+
+
+def test_an_instance_claims_its_share_first_and_the_rest_just_before_the_slot(monkeypatch: Any) -> None:
+    clock = FixedClock(0)
+    engine = sharing_engines(3, 60, clock)[0]
+    decided: list[list[str]] = []
+
+    def decide(claims: list[Any], catch_ups: list[Any], **kwargs: Any) -> Any:
+        assert all(claim.slot == SLOT for claim in claims) and not catch_ups
+        decided.append(sorted(claim.job.name for claim in claims))
+        return store.Outcome()
+
+    monkeypatch.setattr(engine, "_decide", decide)
+    reads: list[float] = []
+    peers = list(engine._peers)
+    monkeypatch.setattr(store, "live_instances", lambda within: reads.append(within) or peers)
+    engine.claim_ahead_ms, engine.backup_ahead_ms = 80, 30
+    engine._heap = []
+    for name in engine.jobs:
+        engine._next_slot[name] = SLOT
+        engine._push(SLOT, name)
+    mine = sorted(name for name in engine.jobs if engine._preferred(name, SLOT))
+    assert 0 < len(mine) < 60
+    clock.at = SLOT - 80
+    assert engine._due(clock.at)
+    engine._dispatch_due()
+    assert decided == [mine], "the first pass claims this instance's share only"
+    assert not engine._due(clock.at + 49), "the others' share waits for the backup lead"
+    clock.at = SLOT - 30
+    assert engine._due(clock.at)
+    engine._dispatch_due()
+    assert decided[1] == sorted(set(engine.jobs) - set(mine)), "then the rest, in case their instance is gone"
+    assert not engine._due(clock.at) and all(slot == SLOT + 1000 for slot in engine._next_slot.values())
+    assert len(reads) == 1, "the live instances are read when claiming, at most every PEERS_REFRESH_S"
+
+
+def test_an_instance_learns_of_a_new_peer_when_it_next_claims(monkeypatch: Any) -> None:
+    clock = FixedClock(SLOT)
+    engine = sharing_engines(1, 30, clock)[0]
+    monkeypatch.setattr(engine, "_decide", lambda claims, catch_ups, **kwargs: store.Outcome())
+    monkeypatch.setattr(store, "live_instances", lambda within: [engine.token])
+    engine._dispatch_due()
+    assert engine._peers == (engine.token,), "alone, it prefers every slot"
+    monkeypatch.setattr(store, "live_instances", lambda within: [engine.token, "newcomer"])
+    engine._dispatch_due()
+    assert engine._peers == (engine.token,), "read again only PEERS_REFRESH_S later"
+    monkeypatch.setattr(clock, "monotonic", lambda: time.monotonic() + 2.0)
+    engine._dispatch_due()
+    assert engine._peers == tuple(sorted([engine.token, "newcomer"]))

@@ -43,7 +43,15 @@ from .base import (
 )
 from .base import _lock_jobs as _lock_jobs
 from .claims import claim_manual, claim_pending, create_manual, decide, poll
-from .housekeeping import database_time, ensure_jobs, heartbeat, prune, register_instance, unregister_instance
+from .housekeeping import (
+    database_time,
+    ensure_jobs,
+    heartbeat,
+    live_instances,
+    prune,
+    register_instance,
+    unregister_instance,
+)
 from .leases import finish, finish_many, hand_over, renew, save_progress, take_over
 
 __all__ = [
@@ -65,6 +73,7 @@ __all__ = [
     "finish_many",
     "hand_over",
     "heartbeat",
+    "live_instances",
     "notify",
     "poll",
     "prune",

@@ -52,6 +52,12 @@ def unregister_instance(token: str) -> None:
     Instance.objects.using(alias()).filter(token=token).delete()
 
 
+def live_instances(within: float) -> list[str]:
+    """The tokens of the instances heard from in the last ``within`` seconds (database clock), sorted."""
+    fresh = ExpressionWrapper(DbNow() - timedelta(seconds=within), output_field=DateTimeField())
+    return sorted(Instance.objects.using(alias()).filter(last_heartbeat__gte=fresh).values_list("token", flat=True))
+
+
 def database_time() -> datetime:
     """The database clock, read once."""
     vendor = _vendor()
