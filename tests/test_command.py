@@ -130,6 +130,15 @@ def test_sigterm_exits_0_after_the_grace_period_even_if_a_handler_never_ends(clu
     assert not Execution.objects.filter(job="deaf", event="end").exists()
 
 
+def test_the_command_keeps_start_up_objects_out_of_garbage_collections(cluster: Cluster) -> None:
+    """A full collection of a Django process took 15-20 ms and delayed every handler due meanwhile."""
+    cluster.jobs = [{"name": "collector", "every": "1s", "kind": "gc"}]
+    node = cluster.start("gc")
+    cluster.wait_ready(node)
+    run = wait_for(lambda: Execution.objects.filter(job="collector").first(), 10, what="a run")
+    assert int(run.note) > 10_000, f"only {run.note} objects frozen: gc.freeze() was not called after start-up"
+
+
 def test_run_now_from_another_process_is_picked_up_within_a_poll(cluster: Cluster) -> None:
     cluster.jobs = [{"name": "manual", "every": ON_DEMAND, "kind": "record"}]
     node = cluster.start("worker")

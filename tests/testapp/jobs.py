@@ -1,12 +1,14 @@
 """Jobs for the process tests, declared from the ANARCHON_TEST_JOBS environment variable.
 
 ANARCHON_TEST_JOBS is a JSON list of {"name", "every" | "cron", "kind", "seconds", options...}.
-Kinds: record, sleep (honours the signal), stubborn (ignores it), fail, checkpoint, async_sleep,
-async_stubborn (blocks in sync_to_async, ignoring the signal).
+Kinds: record, gc (records how many objects start-up froze), sleep (honours the signal), stubborn
+(ignores it), fail, checkpoint, async_sleep, async_stubborn (blocks in sync_to_async, ignoring the
+signal).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -68,6 +70,11 @@ def make_handler(kind: str, seconds: float, steps: int) -> Any:
 
         def handler(ctx: Context) -> None:
             record(ctx, "start")
+
+    elif kind == "gc":
+
+        def handler(ctx: Context) -> None:
+            record(ctx, "start", note=str(gc.get_freeze_count()))
 
     elif kind == "sleep":
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -131,6 +132,7 @@ class Command(BaseCommand):
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
+            _freeze_startup_objects()
             try:
                 scheduler.start(instance_id=instance_id)
             except AnarchonError as error:
@@ -149,6 +151,20 @@ class Command(BaseCommand):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _freeze_startup_objects() -> None:
+    """Leave what start-up created (Django, the project's modules, the jobs) out of garbage collections.
+
+    Those objects live as long as the process. In a Django process a full
+    collection scans them all, which takes 15-20 ms on a small project; one that
+    struck when runs were due delayed every handler of that instant by as much.
+    ``gc.freeze()`` moves them to the permanent generation, which no collection
+    scans. This process is ours; an embedded :meth:`Scheduler.start` leaves the
+    host's collector alone.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _flush_and_exit(code: int) -> None:
