@@ -51,8 +51,8 @@ logger = logging.getLogger("django_anarchon")
 T = TypeVar("T")
 _FAILED: Any = object()
 BUSY_RETRY_MS = 20
-# The random part of how far ahead of its slot an instance claims its share (see _draw_claim_ahead).
-CLAIM_AHEAD_JITTER_MS = (10.0, 40.0)
+# How far ahead of their slot the slots of other instances' shares are claimed (see _draw_claim_ahead).
+BACKUP_AHEAD_MS = 30
 # How old the list of live instances may be when slots are claimed (see _read_peers).
 PEERS_REFRESH_S = 2.0
 
@@ -145,8 +145,8 @@ class Engine:
         self._warned: set[str] = set()
         self._next_prune = 0.0  # the first housekeeping turn prunes, then hourly
         self._claim_ms = 20.0  # how long claiming transactions take here: recent highs, decaying
-        self.claim_ahead_ms = 70
-        self.backup_ahead_ms = 40
+        self.claim_ahead_ms = 80
+        self.backup_ahead_ms = BACKUP_AHEAD_MS
         # Tokens of the live instances, sorted: the same list on every instance, which
         # shares out the slots of an instant among them (see _preferred).
         self._peers: tuple[str, ...] = ()
@@ -255,17 +255,18 @@ class Engine:
         """How far ahead of a slot to claim it this turn: its share first, then the rest.
 
         An instance claims the slots it is preferred for (:meth:`_preferred`)
-        ``claim_ahead_ms`` ahead, and the other slots of the same instant
-        ``backup_ahead_ms`` ahead, in case their preferred instance is gone or
-        slow. The backup lead is twice the recent claim time (20 to 150 ms), so
-        that a backup claim still commits before the slot; the first lead adds
-        one claim time (5 to 60 ms) and a little jitter, so that a peer's claim
-        of its share has committed before this instance looks at it, and the
-        backup pass usually finds those slots decided in one unlocked read.
+        ``claim_ahead_ms`` ahead: at least twice its recent claim time, so that
+        the claim commits before the slot, and at least 40 ms more than the
+        backup lead, plus up to 20 ms of jitter, at most 270 ms. The other
+        slots of the same instant, in case their preferred instance is gone or
+        slow, ``BACKUP_AHEAD_MS`` ahead on every instance. The backup lead is the
+        same everywhere and below every first lead, so a peer's share is never
+        taken before that peer's own first pass; a backup lead that followed the
+        claim time let the instance with the slowest claims (the one writing the
+        most rows) take the shares of the fastest, which then won nothing.
         """
-        claim = self._claim_ms
-        self.backup_ahead_ms = int(min(150.0, max(20.0, 2 * claim)))
-        lead = self.backup_ahead_ms + min(60.0, max(5.0, claim)) + random.uniform(*CLAIM_AHEAD_JITTER_MS)  # noqa: S311
+        self.backup_ahead_ms = BACKUP_AHEAD_MS
+        lead = min(250.0, max(BACKUP_AHEAD_MS + 40.0, 2 * self._claim_ms)) + random.uniform(0.0, 20.0)  # noqa: S311
         self.claim_ahead_ms = int(lead)
 
     def _preferred(self, name: str, slot: int) -> bool:

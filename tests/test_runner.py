@@ -111,20 +111,24 @@ def test_capacity_counts_runs_whose_handler_has_not_returned() -> None:
     assert engine.capacity() == 1
 
 
-def test_the_claim_leads_leave_room_for_a_peers_claim_between_the_passes(monkeypatch: Any) -> None:
-    """Backup lead: twice the claim time (20-150 ms); first lead: the backup lead plus a claim time and jitter."""
+def test_every_instance_claims_other_shares_after_every_first_pass(monkeypatch: Any) -> None:
+    """The backup lead is the same everywhere and below every first lead, whatever the claim times.
+
+    A backup lead that grew with the claim time let the instance writing the most
+    rows take the shares of the fastest one, which then won nothing at all.
+    """
     import django_anarchon.engine as engine_module
 
     engine = Engine([], parse({}), instance_id="leads")
-    for claim_ms, backup in ((2.0, 20), (30.0, 60), (500.0, 150)):
+    for claim_ms, first in ((2.0, 70), (30.0, 70), (60.0, 120), (500.0, 250)):
         engine._claim_ms = claim_ms
-        for jitter in (10.0, 40.0):
+        for jitter in (0.0, 20.0):
             monkeypatch.setattr(engine_module.random, "uniform", lambda low, high, jitter=jitter: jitter)
             engine._draw_claim_ahead()
-            assert engine.backup_ahead_ms == backup
-            assert engine.claim_ahead_ms == int(backup + min(60.0, max(5.0, claim_ms)) + jitter)
-            assert engine.claim_ahead_ms - engine.backup_ahead_ms >= min(claim_ms, 60.0), "a peer's claim fits between"
-            assert engine.claim_ahead_ms <= 250, "never far ahead of the slot"
+            assert engine.backup_ahead_ms == engine_module.BACKUP_AHEAD_MS == 30
+            assert engine.claim_ahead_ms == first + int(jitter)
+            assert engine.claim_ahead_ms >= engine.backup_ahead_ms + 40, "a peer's first pass comes well before"
+            assert engine.claim_ahead_ms >= min(2 * claim_ms, 250), "its own claims commit before the slot"
 
 
 class FixedClock(Clock):
