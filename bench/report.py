@@ -176,6 +176,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"measuring django_anarchon {meta.get('engine', '?')} (at the start of the run)"
         + (" (**quick mode**: short windows)" if meta["quick"] else "")
         + ".",
+        *[f"{note}" for note in meta.get("merged", [])],
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB RAM, {m['os']}; "
         f"PostgreSQL {m['postgresql']}, MariaDB {m['mariadb']}, SQLite {m['sqlite']}; "
