@@ -430,6 +430,21 @@ def test_an_instance_started_during_an_outage_waits_and_then_runs(cluster: Clust
 # -- clock skew -------------------------------------------------------------------------
 
 
+def assert_only_handed_over_at_the_stop(runs: list[Run], stopping: float) -> None:
+    """No slot was attempted twice while the instances ran; a second attempt is only a hand-over at the stop.
+
+    SIGTERM hands over every run the instance holds, including one claimed ahead
+    of a slot that has not come yet: that slot then has an interrupted first
+    attempt and a pending second one, created after the stop began. A second
+    attempt created before it would be a stolen lease or a slot claimed twice.
+    """
+    again = [r for r in runs if r.attempt > 1]
+    during = [(r.slot, r.attempt, r.created_at) for r in again if r.created_at.timestamp() < stopping]
+    assert not during, f"slots attempted again while every instance ran: {during}"
+    firsts = {r.slot: r for r in runs if r.attempt == 1}
+    assert all(firsts[r.slot].status == "interrupted" for r in again), "a second attempt follows an interrupted one"
+
+
 @pytest.mark.parametrize("skew", [6, -6], ids=["ahead", "behind"])
 def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
     cluster: Cluster, events: Path, skew: int
@@ -471,12 +486,12 @@ def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
     assert long_runs[0].status in ("success", "interrupted") and long_runs[0].instance_id.startswith("honest")
     log = read_events(events)
     assert_no_attempt_ran_twice(log)
+    assert_only_handed_over_at_the_stop(list(Run.objects.filter(job="tick")), stopping)
     ticks = list(Run.objects.filter(job="tick", attempt=1, slot__gt=joined))
-    assert max(Counter(r.slot for r in ticks).values()) == 1
     solo = list(Run.objects.filter(job="solo", attempt=1))
     assert len(solo) >= 6, f"the skewed instance ran {len(solo)} of the ~8 slots of its own job"
     # Slots follow the database clock: the skewed instance claims no earlier than the
-    # claim-ahead margin (at most 200 ms) before a slot, never 6 s early, nor seconds late,
+    # claim-ahead margin (at most 270 ms) before a slot, never 6 s early, nor seconds late,
     # and no run is recorded as started before its slot.
     ahead = [(r.scheduled_at - r.created_at).total_seconds() for r in solo]
     assert max(ahead) < 0.3, f"the skewed instance claimed {max(ahead):.2f}s ahead of a slot"
@@ -524,10 +539,11 @@ def test_a_clock_stepped_forward_under_a_running_instance_never_makes_it_claim_e
     offset.write_text("+6s\n")  # NTP steps the stepper's clock 6 s forward
     stepped = time.time()
     time.sleep(5)
+    stopping = time.time()
     assert stop_all(cluster, [honest, stepper]) == [0, 0], cluster.logs()
     assert "clock was stepped by +6" in stepper.output(), stepper.output()
     ticks = list(Run.objects.filter(job="tick"))
-    assert max(Counter(r.slot for r in ticks).values()) == 1
+    assert_only_handed_over_at_the_stop(ticks, stopping)
     assert_no_attempt_ran_twice(read_events(events))
     after = [r for r in ticks if r.created_at.timestamp() >= stepped]
     early = [r for r in after if (r.scheduled_at - r.created_at).total_seconds() > 0.3]
