@@ -7,6 +7,7 @@ each with its own database connection, released together by a barrier.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -195,6 +196,59 @@ def test_claims_still_work_and_say_so_when_the_claim_function_was_not_migrated(
         assert len(decide([store.Claim(job, SLOT + 1000)]).skipped) == 1, "the Python path decides the rest"
     warnings = [r.getMessage() for r in caplog.records if "migrate" in r.getMessage()]
     assert len(warnings) == 1 and "django_anarchon_claim_not_migrated" in warnings[0]
+
+
+def test_the_claim_function_plans_its_lookups_once_and_never_reads_a_jobs_history() -> None:
+    """PostgreSQL: after a few calls, every statement of the claim runs a cached generic plan
+    (parameters, not the values of this call), and every plan finds its rows by index, with
+    no pass over a long history of finished runs or over the other jobs' running runs."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        assert not store.sql.can_claim_in_one_statement([store.Claim(make_job(), SLOT)]), "PostgreSQL only"
+        return
+    job, other = make_job("history-job"), make_job("other-job")
+    store.ensure_jobs([job, other])
+    old = [
+        Run(job=job.name, slot=SLOT - (k + 1) * 1000, attempt=1, status="success", reason="scheduled",
+            scheduled_at=timezone.now(), created_at=timezone.now(), finished_at=timezone.now())
+        for k in range(3000)
+    ]  # fmt: skip
+    busy = [
+        Run(job=f"{other.name}-{k}", slot=SLOT, attempt=1, status="running", reason="scheduled",
+            scheduled_at=timezone.now(), created_at=timezone.now(), owner="x")
+        for k in range(300)
+    ]  # fmt: skip
+    Run.objects.bulk_create(old + busy)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE django_anarchon_run")
+    for k in range(8):  # PL/pgSQL plans a statement for its first five calls, then may keep a generic plan
+        [won] = decide([store.Claim(job, SLOT + k * 1000)]).won
+        store.finish(won.id, owner="me", status="success")
+    notices: list[str] = []
+    raw = connection.connection
+    raw.add_notice_handler(lambda diagnostic: notices.append(diagnostic.message_primary or ""))
+    with connection.cursor() as cursor:
+        try:
+            cursor.execute("LOAD 'auto_explain'")
+        except Exception as error:  # noqa: BLE001 - said plainly below
+            pytest.fail(f"this test needs PostgreSQL's auto_explain module (postgresql-contrib): {error}")
+        cursor.execute(
+            "SET auto_explain.log_min_duration = 0; SET auto_explain.log_nested_statements = on; "
+            "SET auto_explain.log_analyze = on; SET auto_explain.log_level = notice"
+        )
+    try:
+        assert len(decide([store.Claim(job, SLOT + 8000)]).won) == 1
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET auto_explain.log_min_duration")
+    plans = [n for n in notices if "django_anarchon_run" in n or "django_anarchon_jobstate" in n]
+    plans = [p for p in plans if "django_anarchon_claim(" not in p.split("plan:", 1)[1].splitlines()[1]]
+    assert len(plans) >= 4, notices  # first look, lock, decided?, active?, insert
+    for plan in plans:
+        assert "Seq Scan" not in plan and "history-job" not in plan, plan
+        removed = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
+        assert all(n <= 5 for n in removed), plan
 
 
 def test_a_batch_mixing_idle_and_busy_jobs_is_decided_by_each_jobs_overlap() -> None:

@@ -83,15 +83,26 @@ def clients(ctx: Context, mode: str, count: int, seconds: int, batch: int = 1, f
     if mode == "decide":  # the job rows, as instances create them when they start
         setup = [*command, "--mode", "setup", "--start-at", "0"]
         subprocess.run(setup, cwd=ROOT, env=env, check=True, capture_output=True)
-    start_at = time.time() + 2.0 + 0.4 * count  # every client has set Django up by then (see late_start_ms)
-    command += ["--mode", mode, "--start-at", str(start_at)] + (["--finish"] if finish else [])
+    command += ["--mode", mode] + (["--finish"] if finish else [])
     processes = [
-        subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(count)
     ]
+    for process in processes:  # a barrier: every client has set Django up and connected
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ready":
+            _, err = process.communicate(timeout=60)
+            raise RuntimeError(f"bench_claims failed before the start:\n{err[-3000:]}")
+    start_at = time.time() + 0.2
+    for process in processes:
+        assert process.stdin is not None
+        process.stdin.write(f"{start_at}\n")
+        process.stdin.flush()
     totals: dict[str, int] = {}
     for process in processes:
-        out, err = process.communicate(timeout=seconds + 120)
+        out, err = process.communicate(timeout=seconds + 60)
         if process.returncode != 0:
             raise RuntimeError(f"bench_claims failed:\n{err[-3000:]}")
         for key, value in json.loads(out.strip().splitlines()[-1]).items():

@@ -20,6 +20,7 @@ import collections
 import inspect
 import json
 import random
+import sys
 import time
 import uuid
 from typing import Any
@@ -42,23 +43,36 @@ class Command(BaseCommand):
         parser.add_argument("--batch", type=int, default=1, help="claims per transaction (slots due at once)")
         parser.add_argument("--jobs", type=int, default=1000)
         parser.add_argument("--base", type=int, required=True, help="first slot (ms); the same for every client")
-        parser.add_argument("--start-at", type=float, required=True, help="time.time() to start at")
+        parser.add_argument(
+            "--start-at",
+            type=float,
+            default=None,
+            help="time.time() to start at; without it, print 'ready' once set up and read it from stdin",
+        )
         parser.add_argument("--seconds", type=float, required=True)
         parser.add_argument("--finish", action="store_true", help="also record each won run as ended (success)")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        deadline = options["start_at"] + options["seconds"]
         measure = self._insert if options["mode"] == "insert" else self._decide
-        counts = measure(options, deadline)
+        counts = measure(options)
         self.stdout.write(json.dumps(counts))
 
-    def _wait(self, start_at: float) -> float:
-        """Connect, sleep until ``start_at``; return how late this client starts (it should be 0)."""
-        connection.ensure_connection()
-        time.sleep(max(0.0, start_at - time.time()))
-        return max(0.0, time.time() - start_at)
+    def _wait(self, options: dict[str, Any]) -> tuple[float, int]:
+        """Connect, wait for the start; return the deadline and how late this client starts (ms, should be 0).
 
-    def _decide(self, options: dict[str, Any], deadline: float) -> dict[str, Any]:
+        Without ``--start-at`` the start is a barrier: say "ready" on stdout, then read the
+        start time from stdin (the parent sends it once every client is ready).
+        """
+        connection.ensure_connection()
+        start_at = options["start_at"]
+        if start_at is None:
+            sys.stdout.write("ready\n")
+            sys.stdout.flush()
+            start_at = float(sys.stdin.readline())
+        time.sleep(max(0.0, start_at - time.time()))
+        return start_at + options["seconds"], round(max(0.0, time.time() - start_at) * 1000)
+
+    def _decide(self, options: dict[str, Any]) -> dict[str, Any]:
         scheduler = Scheduler()
         for i in range(options["jobs"]):
             scheduler.every(f"claim-{i:05d}", "1s", _noop)
@@ -74,7 +88,7 @@ class Command(BaseCommand):
         retry_s = getattr(engine, "BUSY_RETRY_MS", 5) / 1000
         finish_many = getattr(store, "finish_many", None)
         counts = {"decisions": 0, "won": 0, "skipped": 0, "deferred": 0, "busy": 0, "transactions": 0, "errors": 0}
-        counts["late_start_ms"] = round(self._wait(options["start_at"]) * 1000)
+        deadline, counts["late_start_ms"] = self._wait(options)
         k = 0
         retries: collections.deque[tuple[float, list[store.Claim]]] = collections.deque()
         while (now := time.time()) < deadline:
@@ -116,13 +130,13 @@ class Command(BaseCommand):
         counts["lost"] = counts["decisions"] - counts["won"] - counts["skipped"]
         return counts
 
-    def _insert(self, options: dict[str, Any], deadline: float) -> dict[str, Any]:
+    def _insert(self, options: dict[str, Any]) -> dict[str, Any]:
         if connection.vendor == "mysql":
             sql = "INSERT IGNORE INTO benchapp_claimref (k) VALUES (%s)"
         else:
             sql = "INSERT INTO benchapp_claimref (k) VALUES (%s) ON CONFLICT (k) DO NOTHING"
         counts = {"decisions": 0, "won": 0, "transactions": 0, "errors": 0}
-        counts["late_start_ms"] = round(self._wait(options["start_at"]) * 1000)
+        deadline, counts["late_start_ms"] = self._wait(options)
         rng = random.Random()
         with connection.cursor() as cursor:
             while time.time() < deadline:
