@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_anarchon")
 MAX_MESSAGE = 10_000
+# The longest a run claimed ahead waits for its slot on one reading of the clock. The
+# wall clock can be stepped at any time (NTP, an operator, a VM resumed); until the
+# engine has measured the database clock again, a reading taken then is off by the
+# step. A wait longer than this reads the clock again, so a run claimed 100 ms ahead
+# never waits out a whole step back.
+CLOCK_RECHECK_S = 0.25
 MAX_TRACEBACK = 100_000
 
 RUNNING, FINISHING, DONE = "running", "finishing", "done"
@@ -218,7 +224,7 @@ class Starter:
                         self._waiting = later
                         heapq.heapify(self._waiting)
                         break
-                    self._changed.wait((self._waiting[0][0] - now) / 1000)
+                    self._changed.wait(min((self._waiting[0][0] - now) / 1000, CLOCK_RECHECK_S))
             for _, _, active in sorted(due, key=lambda entry: entry[:2]):
                 try:
                     self._release(active)
@@ -250,13 +256,13 @@ class Runner:
     def _execute(self, active: ActiveRun) -> None:
         try:
             run = active.run
-            early = (run.slot - self.engine.clock.now_ms()) / 1000
-            if early > 0 and active.signal.wait(early):
-                # Claimed ahead of its slot and stopped before it was due: end it
-                # like a handler that raised at once (handed over after stop()).
-                self._returned(active)
-                self._complete(active, active.signal.reason)
-                return
+            while (early := (run.slot - self.engine.clock.now_ms()) / 1000) > 0:
+                if active.signal.wait(min(early, CLOCK_RECHECK_S)):
+                    # Claimed ahead of its slot and stopped before it was due: end it
+                    # like a handler that raised at once (handed over after stop()).
+                    self._returned(active)
+                    self._complete(active, active.signal.reason)
+                    return
             active.started = time.monotonic()
             if active.job.timeout_ms:
                 active.deadline = active.started + active.job.timeout_ms / 1000

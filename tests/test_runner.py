@@ -65,6 +65,20 @@ def test_the_starter_releases_a_run_whose_signal_aborts_before_its_slot_at_once(
     assert later not in released
 
 
+def test_the_starter_reads_the_clock_again_while_a_run_waits_so_a_clock_step_cannot_hold_it() -> None:
+    """A reading taken just after the wall clock was stepped back (before the engine measured
+    the database clock again) is an hour behind; the next reading is right again."""
+    readings = iter([1_000 - 3_600_000])
+    clock = FakeTime(1_000)
+    released: list[int] = []
+    starter = Starter(lambda: next(readings, clock.now), lambda a: released.append(a.run.slot))
+    started = time.monotonic()
+    starter.add(active(1_050))
+    clock.now = 1_050  # the slot comes; nothing wakes the starter
+    wait_for(lambda: released == [1_050], 2, what="the run, released at its slot however far back the step")
+    assert time.monotonic() - started < 1.0
+
+
 def test_the_starter_keeps_releasing_when_one_release_fails() -> None:
     clock = FakeTime(5_000)
     released: list[str] = []
