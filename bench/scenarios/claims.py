@@ -1,10 +1,14 @@
 """2. Claim throughput: slot claims per second the cluster decides and records (won + lost).
 
-N closed-loop clients (separate processes, like N instances) race for the same sequence of
+N closed-loop clients (separate processes, like N instances) walk the same sequence of
 (job, slot) claims through the engine's claim path (``bench_claims --mode decide``): batches
 of 1 (one job due per instant) and of 100 (100 jobs due at the same instant, one transaction,
-as the loop claims them), each measured twice: claims alone (what the reference does: decide
-and record the decision) and claims plus recording the won runs as ended (``--finish``).
+as the loop claims them). Measured two ways: *shared out*, as instances claim (each client
+first claims the slots hashed to it, and the others' a little later, when the first look
+usually finds them decided), and *all racing*, the worst case, where every client claims
+every slot at once and all but one wait for the winner's lock. The racing runs are measured
+twice: claims alone (what the reference does: decide and record the decision) and claims
+plus recording the won runs as ended (``--finish``).
 References at the same concurrency, in the same run: pgbench with a
 one-row INSERT ... ON CONFLICT on a primary key (PostgreSQL's commit-bound limit here), and
 the same one-row INSERT from N Python clients through Django (every database).
@@ -71,7 +75,9 @@ def claim_function(ctx: Context, count: int, seconds: int) -> float:
     return pgbench(count, seconds, FUNCTION_SCRIPT, {"clients": count, "jobs": JOBS, "base": base})
 
 
-def clients(ctx: Context, mode: str, count: int, seconds: int, batch: int = 1, finish: bool = False) -> dict[str, Any]:
+def clients(
+    ctx: Context, mode: str, count: int, seconds: int, batch: int = 1, finish: bool = False, share_out: bool = False
+) -> dict[str, Any]:
     """Run ``count`` ``bench_claims`` clients at once; their summed counts and rates."""
     reset_database()
     base = (int(time.time()) - 3600) * 1000
@@ -86,9 +92,15 @@ def clients(ctx: Context, mode: str, count: int, seconds: int, batch: int = 1, f
     command += ["--mode", mode] + (["--finish"] if finish else [])
     processes = [
         subprocess.Popen(
-            command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            command + (["--share-out", str(count), "--index", str(i)] if share_out else []),
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        for _ in range(count)
+        for i in range(count)
     ]
     for process in processes:  # a barrier: every client has set Django up and connected
         assert process.stdout is not None
@@ -135,6 +147,8 @@ def run(ctx: Context) -> dict[str, Any]:
         ctx.log(f"claims: one-row INSERT from {count} Python clients")
         row["insert"] = clients(ctx, "insert", count, seconds)
         for batch in (1, 100):
+            ctx.log(f"claims: {count} clients sharing slots out as instances do, {batch} due at once")
+            row[f"shared_{batch}"] = clients(ctx, "decide", count, seconds, batch, share_out=True)
             ctx.log(f"claims: store.decide, {count} clients, {batch} claim(s) per transaction")
             row[f"decide_{batch}"] = clients(ctx, "decide", count, seconds, batch)
             ctx.log(f"claims: store.decide + finish_many, {count} clients, {batch} claim(s) per transaction")
@@ -143,12 +157,16 @@ def run(ctx: Context) -> dict[str, Any]:
         for batch in (1, 100):
             row[f"ratio_{batch}"] = round(row[f"decide_{batch}"]["per_s"] / reference, 3)
             row[f"ratio_finish_{batch}"] = round(row[f"finish_{batch}"]["per_s"] / reference, 3)
+            row[f"ratio_shared_{batch}"] = round(row[f"shared_{batch}"]["per_s"] / reference, 3)
         row["ratio_insert_1"] = round(row["decide_1"]["per_s"] / row["insert"]["per_s"], 3)
         if "pgbench_function_per_s" in row:
             row["ratio_function"] = round(row["pgbench_function_per_s"] / reference, 3)
         ctx.log(
-            "  reference {:.0f}/s, decide x1 {:.0f}/s (+end {:.0f}/s), decide x100 {:.0f}/s (+end {:.0f}/s)".format(
+            "  reference {:.0f}/s, shared out x1 {:.0f}/s x100 {:.0f}/s, "
+            "all racing x1 {:.0f}/s (+end {:.0f}/s), x100 {:.0f}/s (+end {:.0f}/s)".format(
                 reference,
+                row["shared_1"]["per_s"],
+                row["shared_100"]["per_s"],
                 row["decide_1"]["per_s"],
                 row["finish_1"]["per_s"],
                 row["decide_100"]["per_s"],

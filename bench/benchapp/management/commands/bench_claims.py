@@ -10,6 +10,11 @@ With ``--finish``, each batch's won runs are then recorded as ended
 Every claim decided is one decision: won, or lost to the client that got there first.
 ``--mode setup`` creates the job rows first, once, as an instance does when it starts.
 
+With ``--share-out N --index I`` the client claims as an instance of an N-instance cluster
+does (see ``Engine._preferred``): of each batch it first claims the slots hashed to it, and
+the rest ``SHARE_LAG`` batches later (the engine's pass just before the slot), when their
+own client has usually decided them and the first look finds them taken.
+
 ``--mode insert``: the reference, a one-row INSERT with a primary-key conflict check on a
 random key, one transaction each, through the same Django connection.
 """
@@ -23,12 +28,16 @@ import random
 import sys
 import time
 import uuid
+import zlib
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import DatabaseError, connection
 
 from django_anarchon import Scheduler, engine, store
+
+# With --share-out: how many batches later a client claims the slots hashed to other clients.
+SHARE_LAG = 50
 
 
 def _noop(ctx: Any) -> None:
@@ -51,6 +60,8 @@ class Command(BaseCommand):
         )
         parser.add_argument("--seconds", type=float, required=True)
         parser.add_argument("--finish", action="store_true", help="also record each won run as ended (success)")
+        parser.add_argument("--share-out", type=int, default=0, help="claim as one of this many instances")
+        parser.add_argument("--index", type=int, default=0, help="with --share-out: which one (0-based)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         measure = self._insert if options["mode"] == "insert" else self._decide
@@ -91,15 +102,27 @@ class Command(BaseCommand):
         deadline, counts["late_start_ms"] = self._wait(options)
         k = 0
         retries: collections.deque[tuple[float, list[store.Claim]]] = collections.deque()
+        others: collections.deque[tuple[int, list[store.Claim]]] = collections.deque()  # (due batch, claims)
+        share_out, index = options["share_out"], options["index"]
         while (now := time.time()) < deadline:
             if retries and retries[0][0] <= now:
                 claims = retries.popleft()[1]
+            elif others and others[0][0] <= k:
+                claims = others.popleft()[1]
             else:
                 first = k * batch
                 slot = base + (first // len(jobs)) * 1000
                 start = first % len(jobs)
                 claims = [store.Claim(job, slot) for job in jobs[start : start + batch]]
                 k += 1
+                if share_out > 1:
+                    mine = [c for c in claims if zlib.crc32(f"{c.job.name}@{c.slot}".encode()) % share_out == index]
+                    rest = [c for c in claims if c not in mine]
+                    if rest:
+                        others.append((k + SHARE_LAG, rest))
+                    if not mine:
+                        continue
+                    claims = mine
             try:
                 outcome = store.decide(claims, owner=owner, instance_id=owner[:8], ttl=30, capacity=batch, **extra)
                 if options["finish"] and outcome.won:
