@@ -198,6 +198,21 @@ def test_claims_still_work_and_say_so_when_the_claim_function_was_not_migrated(
     assert len(warnings) == 1 and "django_anarchon_claim_not_migrated" in warnings[0]
 
 
+def test_names_and_data_with_quotes_backslashes_braces_and_commas_are_claimed_intact() -> None:
+    """On PostgreSQL the claim's arrays are written as literals: every character must survive."""
+    names = ['say "hi"', "back\\slash", "{braces},comma", "NULL", "ünï cödé ✓", "trailing\\"]
+    data = {"quote": '"', "backslash": "\\", "braces": "{a,b}", "null": None, "text": "NULL"}
+    jobs = [make_job(name, data=data) for name in names]
+    store.ensure_jobs(jobs)
+    outcome = decide([store.Claim(job, SLOT) for job in jobs])
+    assert sorted(r.job for r in outcome.won) == sorted(names)
+    stored = {r.job: r for r in Run.objects.filter(slot=SLOT)}
+    assert sorted(stored) == sorted(names)
+    for run in outcome.won:
+        assert run.data == data == stored[run.job].data
+        assert (run.job, run.slot, run.status) == (stored[run.job].job, SLOT, "running")
+
+
 def test_the_claim_function_plans_its_lookups_once_and_never_reads_a_jobs_history() -> None:
     """PostgreSQL: after a few calls, every statement of the claim runs a cached generic plan
     (parameters, not the values of this call), and every plan finds its rows by index, with

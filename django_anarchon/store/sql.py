@@ -229,6 +229,15 @@ def can_claim_in_one_statement(claims: Sequence[Claim]) -> bool:
     return all(c.reason == Reason.SCHEDULED and not c.wait for c in claims)
 
 
+def _text_array(values: Iterable[str | None]) -> str:
+    """A PostgreSQL ``text[]`` literal of ``values`` (``None`` is NULL), every element quoted."""
+    return (
+        "{"
+        + ",".join("NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+        + "}"
+    )
+
+
 def claim_scheduled(
     claims: Sequence[Claim],
     *,
@@ -252,10 +261,12 @@ def claim_scheduled(
     by_key = {(c.job.name, c.slot): c for c in ordered}
     data = {c.job.name: _resolved_data(c.job, default_data) for c in ordered}
     params: list[Any] = [
-        [c.job.name for c in ordered],
-        [c.slot for c in ordered],
-        [c.job.overlap == "allow" for c in ordered],
-        [None if data[c.job.name] is None else json.dumps(data[c.job.name]) for c in ordered],
+        # Array literals written here: adapting Python lists took psycopg longer than the
+        # rest of the call's client side (~0.1 ms a claim).
+        _text_array(c.job.name for c in ordered),
+        "{" + ",".join(str(int(c.slot)) for c in ordered) + "}",
+        "{" + ",".join("t" if c.job.overlap == "allow" else "f" for c in ordered) + "}",
+        _text_array(None if data[c.job.name] is None else json.dumps(data[c.job.name]) for c in ordered),
         owner,
         instance_id,
         float(ttl),
