@@ -265,7 +265,6 @@ class Engine:
         claim time let the instance with the slowest claims (the one writing the
         most rows) take the shares of the fastest, which then won nothing.
         """
-        self.backup_ahead_ms = BACKUP_AHEAD_MS
         lead = min(250.0, max(BACKUP_AHEAD_MS + 40.0, 2 * self._claim_ms)) + random.uniform(0.0, 20.0)  # noqa: S311
         self.claim_ahead_ms = int(lead)
 
@@ -527,8 +526,7 @@ class Engine:
             ):
                 # Another instance's share: claim it only if still undecided just before the slot.
                 self._next_slot[name] = plan.claim
-                self._entry[name] = entry = next(self._entries)
-                heapq.heappush(self._exact, (plan.claim - self.backup_ahead_ms, entry, name))
+                self._push_exact(plan.claim - self.backup_ahead_ms, name)
                 continue
             if plan.claim is not None:
                 claims.append(store.Claim(job, plan.claim))
@@ -553,8 +551,7 @@ class Engine:
             # Claimed ahead while the job's previous run still ran: decide at the slot.
             name = claim.job.name
             self._next_slot[name] = min(claim.slot, self._next_slot[name])
-            self._entry[name] = entry = next(self._entries)
-            heapq.heappush(self._exact, (claim.slot, entry, name))
+            self._push_exact(claim.slot, name)
         if outcome.deferred:
             # No room for these here: they stay due and are retried as soon as a handler returns.
             self._room_wanted = True
@@ -575,6 +572,11 @@ class Engine:
     def _push(self, at_ms: int, name: str) -> None:
         self._entry[name] = entry = next(self._entries)
         heapq.heappush(self._heap, (at_ms, entry, name))
+
+    def _push_exact(self, at_ms: int, name: str) -> None:
+        """Look at job ``name`` again at ``at_ms`` itself, not ``claim_ahead_ms`` before it."""
+        self._entry[name] = entry = next(self._entries)
+        heapq.heappush(self._exact, (at_ms, entry, name))
 
     def _decide(
         self,

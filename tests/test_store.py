@@ -178,6 +178,27 @@ def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsew
         assert "RETURNING" in statements[-1] or not connection.features.can_return_rows_from_bulk_insert
 
 
+def test_a_busy_jobs_slot_handed_back_by_the_claim_function_is_not_looked_at_twice() -> None:
+    """PostgreSQL: the function took the unlocked first look; the Python path goes straight to the lock."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    job = make_job(overlap="skip")
+    store.ensure_jobs([job])
+    assert len(decide([store.Claim(job, SLOT)]).won) == 1
+    with CaptureQueriesContext(connection) as sent:
+        assert len(decide([store.Claim(job, SLOT + 1000)], owner="b").skipped) == 1
+    statements = [
+        q["sql"] for q in sent.captured_queries if not q["sql"].startswith(("SAVEPOINT", "RELEASE", "BEGIN", "COMMIT"))
+    ]
+    if connection.vendor != "postgresql":
+        assert "FOR UPDATE" not in statements[0], "elsewhere the first look comes before the lock"
+        return
+    assert "django_anarchon_claim(" in statements[0], statements
+    assert "FOR UPDATE" in statements[1], statements
+    assert len(statements) == 4, statements  # the function, the lock, what the job is doing, the INSERT
+
+
 def test_claims_still_work_and_say_so_when_the_claim_function_was_not_migrated(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -83,7 +83,7 @@ def decide(
         except sql.NoClaimFunction:
             return _decide(claims, (), capacity=capacity, now_ms=now_ms, **common)
         if rest:
-            more = _decide(rest, (), capacity=capacity - len(outcome.won), now_ms=now_ms, **common)
+            more = _decide(rest, (), capacity=capacity - len(outcome.won), now_ms=now_ms, looked=True, **common)
             for name in ("won", "skipped", "interrupted", "deferred", "missed", "busy", "early"):
                 getattr(outcome, name).extend(getattr(more, name))
             outcome.won.sort(key=lambda r: (r.slot, r.job))
@@ -102,10 +102,14 @@ def _decide(
     default_data: Any,
     skip_locked: bool,
     now_ms: int | None,
+    looked: bool = False,
 ) -> Outcome:
-    """The Python path of :func:`decide`: every case, in one transaction."""
+    """The Python path of :func:`decide`: every case, in one transaction.
+
+    ``looked``: the claim function has just taken the unlocked first look at these claims.
+    """
     outcome = Outcome()
-    if claims and not catch_ups:
+    if claims and not catch_ups and not looked:
         # Unlocked first look: an instance that arrives after the slots were
         # decided learns it without taking (or waiting for) any lock.
         done = sql.decided(sorted({c.job.name for c in claims}), sorted({c.slot for c in claims}))
