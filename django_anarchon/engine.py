@@ -57,6 +57,11 @@ BACKUP_AHEAD_MS = 30
 PEERS_REFRESH_S = 2.0
 
 
+def share_index(name: str, slot: int, count: int) -> int:
+    """Which of ``count`` sorted live instances claims ``slot`` of job ``name`` first (see ``Engine._preferred``)."""
+    return zlib.crc32(f"{name}@{slot}".encode()) % count
+
+
 def _uncertainty_ms(rtt: float) -> float:
     """How far a clock sample's offset can be from the truth: half its round trip, plus 1 ms of resolution."""
     return rtt / 2 + 1.0
@@ -283,7 +288,7 @@ class Engine:
         peers = self._peers
         if len(peers) < 2:
             return True
-        return peers[zlib.crc32(f"{name}@{slot}".encode()) % len(peers)] == self.token
+        return peers[share_index(name, slot, len(peers))] == self.token
 
     def _read_peers(self) -> None:
         """Read the live instances, including this one (heartbeats in the last three intervals).

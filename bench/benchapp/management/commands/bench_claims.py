@@ -11,9 +11,10 @@ Every claim decided is one decision: won, or lost to the client that got there f
 ``--mode setup`` creates the job rows first, once, as an instance does when it starts.
 
 With ``--share-out N --index I`` the client claims as an instance of an N-instance cluster
-does (see ``Engine._preferred``): of each batch it first claims the slots hashed to it, and
-the rest ``SHARE_LAG`` batches later (the engine's pass just before the slot), when their
-own client has usually decided them and the first look finds them taken.
+does (the engine's ``share_index``, which ``Engine._preferred`` uses): of each batch it first
+claims the slots hashed to it, and the rest ``SHARE_LAG`` batches later (the engine's pass
+just before the slot), when their own client has usually decided them and the first look
+finds them taken.
 
 ``--mode insert``: the reference, a one-row INSERT with a primary-key conflict check on a
 random key, one transaction each, through the same Django connection.
@@ -28,7 +29,6 @@ import random
 import sys
 import time
 import uuid
-import zlib
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
@@ -104,6 +104,8 @@ class Command(BaseCommand):
         retries: collections.deque[tuple[float, list[store.Claim]]] = collections.deque()
         others: collections.deque[tuple[int, list[store.Claim]]] = collections.deque()  # (due batch, claims)
         share_out, index = options["share_out"], options["index"]
+        # The engine's own hash; engines from before the share-out have none, and raced for every slot.
+        share_index = getattr(engine, "share_index", None)
         while (now := time.time()) < deadline:
             if retries and retries[0][0] <= now:
                 claims = retries.popleft()[1]
@@ -115,9 +117,10 @@ class Command(BaseCommand):
                 start = first % len(jobs)
                 claims = [store.Claim(job, slot) for job in jobs[start : start + batch]]
                 k += 1
-                if share_out > 1:
-                    mine = [c for c in claims if zlib.crc32(f"{c.job.name}@{c.slot}".encode()) % share_out == index]
-                    rest = [c for c in claims if c not in mine]
+                if share_out > 1 and share_index is not None:
+                    mine, rest = [], []
+                    for claim in claims:
+                        (mine if share_index(claim.job.name, claim.slot, share_out) == index else rest).append(claim)
                     if rest:
                         others.append((k + SHARE_LAG, rest))
                     if not mine:
