@@ -45,6 +45,29 @@ def engine_version(package: Path | None = None) -> str:
     return f"{commit}{' +uncommitted changes' if changed else ''}"
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """The whole machine's CPU time so far, (busy, total) in clock ticks, from /proc/stat; None off Linux.
+
+    Busy is everything but idle and I/O wait, summed over every core.
+    """
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in (fields[1:9] + ["0"] * 8)[:8])
+    total = user + nice + system + idle + iowait + irq + softirq + steal
+    return total - idle - iowait, total
+
+
+def busy_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """How busy the machine's CPUs were between two :func:`cpu_ticks` readings (0-1, all cores)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]), 3)
+
+
 def describe() -> dict[str, Any]:
     mem_kb = _first("/proc/meminfo", "MemTotal").split()[0]
     os_name = platform.freedesktop_os_release().get("PRETTY_NAME", platform.platform())

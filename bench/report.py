@@ -75,7 +75,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                             f"; pgbench calling the claim function itself: {row['ratio_function']:.0%}"
                             if "ratio_function" in row
                             else ""
-                        ),
+                        )
+                        + _cpu_note(row),
                     )
                 )
         idle = scenarios.get("idle", {})
@@ -140,6 +141,22 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 )
             )
     return found
+
+
+def _cpu_note(row: dict[str, Any]) -> str:
+    """What bound the rates: the machine's CPU busy share during the claims and during pgbench."""
+    shared, reference = row.get("shared_1", {}).get("cpu_busy"), row.get("pgbench_cpu_busy")
+    if shared is None or reference is None:
+        return ""  # results from before the CPU was measured
+    return f"; CPU busy {shared:.0%} while claiming, {reference:.0%} under pgbench"
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
+def _micros(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}"
 
 
 def _fmt(value: Any) -> str:
@@ -305,6 +322,49 @@ def markdown(results: dict[str, Any]) -> str:
                     "1/tx ÷ Python INSERT",
                 ],
                 claim_rows,
+            ),
+            "",
+        ]
+    cpu_rows = []
+    for db, scenarios in results["databases"].items():
+        for row in scenarios.get("claims", {}).get("rows", []):
+            if row["insert"].get("cpu_busy") is None:
+                continue  # results from before the CPU was measured, or not on Linux
+            cpu_rows.append(
+                [
+                    DB_LABEL[db],
+                    row["clients"],
+                    _percent(row.get("pgbench_cpu_busy")),
+                    _percent(row["insert"]["cpu_busy"]),
+                    _percent(row.get("shared_1", {}).get("cpu_busy")),
+                    _percent(row["decide_1"]["cpu_busy"]),
+                    _micros(row["insert"].get("client_cpu_us")),
+                    _micros(row.get("shared_1", {}).get("client_cpu_us")),
+                    _micros(row["decide_1"].get("client_cpu_us")),
+                ]
+            )
+    if cpu_rows:
+        out += [
+            "### What bound the rates: CPU",
+            "",
+            "How busy the machine's CPUs were while each rate was measured (all cores, clients and database "
+            "server together), and the Python clients' own CPU time per decision (won or lost). A rate measured "
+            "with the CPUs near 100 % busy is bound by the CPU; pgbench's own client costs next to nothing, and "
+            "at low busy shares its rate is bound by commits (WAL flushes).",
+            "",
+            _table(
+                [
+                    "database",
+                    "clients",
+                    "CPU busy: pgbench",
+                    "CPU busy: Python INSERT",
+                    "CPU busy: shared out 1/tx",
+                    "CPU busy: racing 1/tx",
+                    "client µs/decision Python INSERT",
+                    "client µs/decision shared out 1/tx",
+                    "client µs/decision racing 1/tx",
+                ],
+                cpu_rows,
             ),
             "",
         ]

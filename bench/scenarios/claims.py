@@ -9,6 +9,9 @@ usually finds them decided), and *all racing*, the worst case, where every clien
 every slot at once and all but one wait for the winner's lock. The racing runs are measured
 twice: claims alone (what the reference does: decide and record the decision) and claims
 plus recording the won runs as ended (``--finish``).
+Beside every rate: how busy the machine's CPUs were while it was measured and, for the
+Python clients, their own CPU time per decision, which say whether a rate was bound by the
+CPU (two cores shared by the clients and their server processes) or by commits.
 References at the same concurrency, in the same run: pgbench with a
 one-row INSERT ... ON CONFLICT on a primary key (PostgreSQL's commit-bound limit here), and
 the same one-row INSERT from N Python clients through Django (every database).
@@ -25,8 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import machine
 from bench.cluster import MANAGE, ROOT
-from bench.context import Context, reset_database
+from bench.context import Context, reset_database, sleep_until
 from bench.dbconf import DB_NAME
 
 SCRIPT = ROOT / "bench" / "pgbench_claim.sql"
@@ -36,11 +40,14 @@ FUNCTION_SCRIPT = ROOT / "bench" / "pgbench_claim_function.sql"
 JOBS = 30000
 
 
-def pgbench(clients: int, seconds: int, script: Path = SCRIPT, define: dict[str, int] | None = None) -> float:
-    """pgbench's transactions per second running ``script`` at ``clients`` clients."""
+def pgbench(
+    clients: int, seconds: int, script: Path = SCRIPT, define: dict[str, int] | None = None
+) -> tuple[float, float | None]:
+    """pgbench's transactions per second running ``script`` at ``clients`` clients, and the CPU busy share meanwhile."""
     host = os.environ.get("ANARCHON_BENCH_PG_HOST", "127.0.0.1")
     user = os.environ.get("ANARCHON_BENCH_PG_USER", "postgres")
     variables = [f"-D{name}={value}" for name, value in (define or {}).items()]
+    before = machine.cpu_ticks()
     done = subprocess.run(
         ["pgbench", "-h", host, "-U", user, "-n", "-c", str(clients), "-j", str(clients), "-T", str(seconds)]
         + [*variables, "-f", str(script), DB_NAME],
@@ -48,13 +55,14 @@ def pgbench(clients: int, seconds: int, script: Path = SCRIPT, define: dict[str,
         text=True,
         check=True,
     )
+    busy = machine.busy_share(before, machine.cpu_ticks())
     found = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", done.stdout)
     if found is None:
         raise RuntimeError(f"could not read pgbench's output:\n{done.stdout}\n{done.stderr}")
-    return float(found.group(1))
+    return float(found.group(1)), busy
 
 
-def claim_function(ctx: Context, count: int, seconds: int) -> float:
+def claim_function(ctx: Context, count: int, seconds: int) -> tuple[float, float | None]:
     """pgbench calling ``django_anarchon_claim()`` for slots that all ``count`` clients race for.
 
     The database side of ``decide_1`` with no Python client: what the claim itself costs
@@ -112,6 +120,10 @@ def clients(
         assert process.stdin is not None
         process.stdin.write(f"{start_at}\n")
         process.stdin.flush()
+    sleep_until(start_at)
+    before = machine.cpu_ticks()
+    sleep_until(start_at + seconds)
+    busy = machine.busy_share(before, machine.cpu_ticks())
     totals: dict[str, int] = {}
     for process in processes:
         out, err = process.communicate(timeout=seconds + 60)
@@ -129,6 +141,9 @@ def clients(
         "won_per_s": round(totals["won"] / seconds, 1),
         "transactions_per_s": round(totals["transactions"] / seconds, 1),
         "overrun_s": round(late, 2),
+        "cpu_busy": busy,
+        # The clients' own CPU time (Python, psycopg, the kernel's side of their sockets).
+        "client_cpu_us": round(totals["cpu_ms"] * 1000 / totals["decisions"], 1) if totals.get("decisions") else None,
         **totals,
     }
 
@@ -141,9 +156,11 @@ def run(ctx: Context) -> dict[str, Any]:
         if ctx.db == "postgres":
             ctx.log(f"claims: pgbench -c {count}")
             reset_database()
-            row["pgbench_per_s"] = round(pgbench(count, seconds), 1)
+            rate, row["pgbench_cpu_busy"] = pgbench(count, seconds)
+            row["pgbench_per_s"] = round(rate, 1)
             ctx.log(f"claims: pgbench -c {count} calling the claim function (no Python)")
-            row["pgbench_function_per_s"] = round(claim_function(ctx, count, seconds), 1)
+            rate, row["pgbench_function_cpu_busy"] = claim_function(ctx, count, seconds)
+            row["pgbench_function_per_s"] = round(rate, 1)
         ctx.log(f"claims: one-row INSERT from {count} Python clients")
         row["insert"] = clients(ctx, "insert", count, seconds)
         for batch in (1, 100):
