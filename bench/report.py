@@ -299,7 +299,7 @@ def markdown(results: dict[str, Any]) -> str:
             "“+ end” columns: each batch's won runs are also recorded as ended (`finish_many`). "
             "“pgbench claim fn”: pgbench itself calling the one-statement claim for slots its clients race "
             "for (`bench/pgbench_claim_function.sql`): the database's side of “racing 1/tx”, no Python. "
-            "“shared out”: each client claims the slots hashed to it first and the others' a little later, "
+            "“shared out”: each client claims the slots dealt to it first and the others' a little later, "
             "as instances do; “racing”: every client claims every slot at once (the worst case).",
             "",
             _table(

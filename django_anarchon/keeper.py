@@ -45,13 +45,24 @@ class Keeper:
         self.wake()
 
     def run_renewals(self) -> None:
-        next_renew = 0.0
+        """Extend leases as they age: each run's at most ``renew_every`` after its claim or last renewal.
+
+        A run is renewed once its lease is ``renew_every`` old, together with
+        every other run whose lease is at least half that old, so that runs of
+        different ages still share one UPDATE. A run that ends within
+        ``renew_every`` of its claim (most do) is never renewed: renewing the
+        runs just claimed, as every claim used to trigger, cost an UPDATE a
+        slot for nothing.
+        """
+        every = self.engine.settings.renew_every
+        retry_at = 0.0
         failing_since: float | None = None
         try:
             while not self.stopped.is_set():
                 now = time.monotonic()
                 held = [a for a in self.engine.active_runs() if a.state != "done"]
-                if held and now >= next_renew:
+                if held and now >= max(min(a.renewed_at for a in held) + every, retry_at):
+                    held = [a for a in held if now - a.renewed_at >= every / 2]
                     sent = time.monotonic()
                     try:
                         kept, lost = store.renew(
@@ -67,7 +78,7 @@ class Keeper:
                                 error,
                                 extra={"instance": self.engine.instance_id},
                             )
-                        next_renew = sent + min(0.25, self.engine.settings.renew_every)
+                        retry_at = sent + min(0.25, every)
                     else:
                         failing_since = None
                         for active in held:
@@ -78,8 +89,10 @@ class Keeper:
                             gone = by_id.get(row.id)
                             if gone is not None:
                                 self.lose(gone, describe_loss(row))
-                        next_renew = sent + self.engine.settings.renew_every
-                self.renew_wake.wait(max(0.01, min(next_renew - time.monotonic(), 1.0)))
+                        retry_at = 0.0
+                ages = [a.renewed_at for a in self.engine.active_runs() if a.state != "done"]
+                due = max(min(ages) + every, retry_at) if ages else time.monotonic() + 1.0
+                self.renew_wake.wait(max(0.01, min(due - time.monotonic(), 1.0)))
                 self.renew_wake.clear()
         finally:
             connections.close_all()

@@ -37,6 +37,9 @@ MAX_MESSAGE = 10_000
 # never waits out a whole step back.
 CLOCK_RECHECK_S = 0.25
 MAX_TRACEBACK = 100_000
+# The longest a run whose handler has returned holds back its ending for runs still
+# starting (see Starting): a burst of a few hundred runs starts well within it.
+ENDING_DEFER_S = 0.05
 
 RUNNING, FINISHING, DONE = "running", "finishing", "done"
 
@@ -187,9 +190,15 @@ class Starter:
     The thread exists while runs wait.
     """
 
-    def __init__(self, now_ms: Callable[[], float], release: Callable[[ActiveRun], None]) -> None:
+    def __init__(
+        self,
+        now_ms: Callable[[], float],
+        release: Callable[[ActiveRun], None],
+        releasing: Callable[[int], None] | None = None,
+    ) -> None:
         self._now_ms = now_ms
         self._release = release
+        self._releasing = releasing  # told how many runs are about to be released, before the first
         self._waiting: list[tuple[int, int, ActiveRun]] = []  # a heap by slot
         self._order = itertools.count()
         self._changed = threading.Condition()
@@ -225,11 +234,50 @@ class Starter:
                         heapq.heapify(self._waiting)
                         break
                     self._changed.wait(min((self._waiting[0][0] - now) / 1000, CLOCK_RECHECK_S))
+            if self._releasing is not None:
+                self._releasing(len(due))
             for _, _, active in sorted(due, key=lambda entry: entry[:2]):
                 try:
                     self._release(active)
                 except Exception:  # a run that cannot be handed on must not stop the others
                     logger.exception("Internal error while starting %r", active.run.job, extra={"job": active.run.job})
+
+
+class Starting:
+    """Counts the runs handed to a worker whose handler has not been called yet.
+
+    A handler that returns while other runs are still starting (a hundred due
+    at the same instant) waits for them, for at most ``ENDING_DEFER_S``, before
+    its ending is recorded: that work (the outcome handed to the recorder, the
+    signals, the log line, waking the loop) would otherwise take the GIL from
+    the starts still to come. Measured in one process with a hundred trivial
+    runs due at once: 100-125 µs per start with the endings mixed in, 55 µs
+    without them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._none = threading.Event()
+        self._none.set()
+
+    def add(self, count: int = 1) -> None:
+        """``count`` runs are about to be handed to workers (counted before the first is, so
+        that the first to begin cannot find none left while the rest are being handed on)."""
+        with self._lock:
+            self._count += count
+            self._none.clear()
+
+    def begun(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count <= 0:
+                self._count = 0
+                self._none.set()
+
+    def wait_done(self, timeout: float) -> bool:
+        """Wait until no run is starting, or ``timeout`` seconds; whether none is."""
+        return self._none.wait(timeout)
 
 
 class Runner:
@@ -238,7 +286,8 @@ class Runner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.workers = Workers()
-        self.starter = Starter(lambda: engine.clock.exact_ms(), self._submit)
+        self.starting = Starting()
+        self.starter = Starter(lambda: engine.clock.exact_ms(), self._hand_on, releasing=self.starting.add)
 
     def start(self, active: ActiveRun) -> None:
         """Execute ``active`` on a worker: at once, or at its slot if it was claimed ahead."""
@@ -249,17 +298,29 @@ class Runner:
             self._submit(active)
 
     def _submit(self, active: ActiveRun) -> None:
-        self.workers.submit(active, self._execute)
+        self.starting.add()
+        self._hand_on(active)
+
+    def _hand_on(self, active: ActiveRun) -> None:
+        """Give a run already counted in :attr:`starting` to a worker."""
+        try:
+            self.workers.submit(active, self._execute)
+        except BaseException:
+            self.starting.begun()
+            raise
 
     # -- in the run's thread --------------------------------------------------------
 
     def _execute(self, active: ActiveRun) -> None:
+        starting = True
         try:
             run = active.run
             while (early := (run.slot - self.engine.clock.now_ms()) / 1000) > 0:
                 if active.signal.wait(min(early, CLOCK_RECHECK_S)):
                     # Claimed ahead of its slot and stopped before it was due: end it
                     # like a handler that raised at once (handed over after stop()).
+                    starting = False
+                    self.starting.begun()
                     self._returned(active)
                     self._complete(active, active.signal.reason)
                     return
@@ -279,12 +340,17 @@ class Runner:
                 self.engine.instance_id,
                 extra=log_fields(run, self.engine.instance_id),
             )
+            starting = False
+            self.starting.begun()
             error = self._call(active)
             self._returned(active)
+            self.starting.wait_done(ENDING_DEFER_S)
             self._complete(active, error)
         except Exception:
             logger.exception("Internal error while running %r", active.run.job, extra={"job": active.run.job})
         finally:
+            if starting:
+                self.starting.begun()
             connections.close_all()  # the handler's own connections: each run gets fresh ones
             active.finished.set()
             self.engine.run_exited(active)

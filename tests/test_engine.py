@@ -413,6 +413,36 @@ def test_renewals_keep_a_run_alive_longer_than_its_lease(sched: Scheduler) -> No
     assert Run.objects.filter(job="long").count() == 1, "no takeover happened"
 
 
+def test_leases_are_renewed_as_they_age_and_runs_that_end_quickly_are_never_renewed(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renewing runs just claimed (every claim woke the keeper) cost an UPDATE a slot for nothing."""
+    renewed: list[tuple[float, list[str]]] = []
+    real = store.renew
+
+    def counted(ids: Any, **kwargs: Any) -> Any:
+        jobs = list(Run.objects.filter(id__in=ids).values_list("job", flat=True))
+        renewed.append((time.monotonic(), jobs))
+        return real(ids, **kwargs)
+
+    monkeypatch.setattr(store, "renew", counted)
+    with override_settings(ANARCHON={"LEASE_TTL": 3.0, "POLL_INTERVAL": 0.2}):  # renew_every 0.2 s
+        for n in range(5):
+            sched.every(f"quick-{n}", "100ms", lambda ctx: None)
+        sched.every("slow", ON_DEMAND, lambda ctx: ctx.sleep(1.5))
+        run = sched.run_now("slow")
+        start(sched)
+        wait_for(lambda: Run.objects.get(pk=run.pk).status == "success", 10, what="the slow run")
+        finished("quick-4", 20)
+    assert Run.objects.filter(job__startswith="quick-", status="success").count() >= 50
+    jobs = {job for _, batch in renewed for job in batch}
+    assert jobs == {"slow"}, f"only the run that outlived renew_every was renewed: {jobs}"
+    times = [at for at, batch in renewed if "slow" in batch]
+    assert 4 <= len(times) <= 9, f"renewed about every 0.2 s over 1.5 s, not {len(times)} times"
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    assert max(gaps) < 0.6, f"a renewal came {max(gaps):.2f}s after the previous one"
+
+
 def test_a_runner_that_cannot_renew_fences_itself_before_its_lease_expires(
     sched: Scheduler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

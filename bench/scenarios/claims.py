@@ -4,7 +4,7 @@ N closed-loop clients (separate processes, like N instances) walk the same seque
 (job, slot) claims through the engine's claim path (``bench_claims --mode decide``): batches
 of 1 (one job due per instant) and of 100 (100 jobs due at the same instant, one transaction,
 as the loop claims them). Measured two ways: *shared out*, as instances claim (each client
-first claims the slots hashed to it, and the others' a little later, when the first look
+first claims the slots dealt to it, and the others' a little later, when the first look
 usually finds them decided), and *all racing*, the worst case, where every client claims
 every slot at once and all but one wait for the winner's lock. The racing runs are measured
 twice: claims alone (what the reference does: decide and record the decision) and claims

@@ -11,8 +11,8 @@ Every claim decided is one decision: won, or lost to the client that got there f
 ``--mode setup`` creates the job rows first, once, as an instance does when it starts.
 
 With ``--share-out N --index I`` the client claims as an instance of an N-instance cluster
-does (the engine's ``share_index``, which ``Engine._preferred`` uses): of each batch it first
-claims the slots hashed to it, and the rest ``SHARE_LAG`` batches later (the engine's pass
+does (the engine's ``share_ranks`` and ``share_index``, which ``Engine._preferred`` uses): of
+each batch it first claims the slots dealt to it, and the rest ``SHARE_LAG`` batches later (the engine's pass
 just before the slot), when their own client has usually decided them and the first look
 finds them taken.
 
@@ -32,6 +32,7 @@ import random
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
@@ -71,6 +72,22 @@ class Command(BaseCommand):
         counts = measure(options)
         self.stdout.write(json.dumps(counts))
 
+    @staticmethod
+    def _share(jobs: list[Any], count: int, index: int) -> Callable[[str, int], bool] | None:
+        """Whether this client, as instance ``index`` of ``count``, claims a slot first (None: no share-out).
+
+        The engine's own functions; engines from before the share-out have none and raced for
+        every slot, and those that hashed each (job, slot) had no ``share_ranks``.
+        """
+        share_index = getattr(engine, "share_index", None)
+        if count < 2 or share_index is None:
+            return None
+        share_ranks = getattr(engine, "share_ranks", None)
+        if share_ranks is None:
+            return lambda name, slot: share_index(name, slot, count) == index
+        ranks = share_ranks(job.name for job in jobs)
+        return lambda name, slot: share_index(ranks[name], slot, count) == index
+
     def _wait(self, options: dict[str, Any]) -> tuple[float, int]:
         """Connect, wait for the start; return the deadline and how late this client starts (ms, should be 0).
 
@@ -108,8 +125,7 @@ class Command(BaseCommand):
         retries: collections.deque[tuple[float, list[store.Claim]]] = collections.deque()
         others: collections.deque[tuple[int, list[store.Claim]]] = collections.deque()  # (due batch, claims)
         share_out, index = options["share_out"], options["index"]
-        # The engine's own hash; engines from before the share-out have none, and raced for every slot.
-        share_index = getattr(engine, "share_index", None)
+        mine_first = self._share(jobs, share_out, index)
         while (now := time.time()) < deadline:
             if retries and retries[0][0] <= now:
                 claims = retries.popleft()[1]
@@ -121,10 +137,10 @@ class Command(BaseCommand):
                 start = first % len(jobs)
                 claims = [store.Claim(job, slot) for job in jobs[start : start + batch]]
                 k += 1
-                if share_out > 1 and share_index is not None:
+                if mine_first is not None:
                     mine, rest = [], []
                     for claim in claims:
-                        (mine if share_index(claim.job.name, claim.slot, share_out) == index else rest).append(claim)
+                        (mine if mine_first(claim.job.name, claim.slot) else rest).append(claim)
                     if rest:
                         others.append((k + SHARE_LAG, rest))
                     if not mine:
