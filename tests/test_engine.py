@@ -416,7 +416,7 @@ def test_renewals_keep_a_run_alive_longer_than_its_lease(sched: Scheduler) -> No
 def test_leases_are_renewed_as_they_age_and_runs_that_end_quickly_are_never_renewed(
     sched: Scheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Renewing runs just claimed (every claim woke the keeper) cost an UPDATE a slot for nothing."""
+    """Renewing runs just claimed (every claim woke the keeper) cost an UPDATE a second for nothing."""
     renewed: list[tuple[float, list[str]]] = []
     real = store.renew
 
@@ -426,21 +426,22 @@ def test_leases_are_renewed_as_they_age_and_runs_that_end_quickly_are_never_rene
         return real(ids, **kwargs)
 
     monkeypatch.setattr(store, "renew", counted)
-    with override_settings(ANARCHON={"LEASE_TTL": 3.0, "POLL_INTERVAL": 0.2}):  # renew_every 0.2 s
+    with override_settings(ANARCHON={"LEASE_TTL": 3.0, "POLL_INTERVAL": 1.0}):  # renew_every 1 s
         for n in range(5):
             sched.every(f"quick-{n}", "100ms", lambda ctx: None)
-        sched.every("slow", ON_DEMAND, lambda ctx: ctx.sleep(1.5))
-        run = sched.run_now("slow")
+        sched.every("slow", ON_DEMAND, lambda ctx: ctx.sleep(2.5))
         start(sched)
-        wait_for(lambda: Run.objects.get(pk=run.pk).status == "success", 10, what="the slow run")
-        finished("quick-4", 20)
-    assert Run.objects.filter(job__startswith="quick-", status="success").count() >= 50
-    jobs = {job for _, batch in renewed for job in batch}
-    assert jobs == {"slow"}, f"only the run that outlived renew_every was renewed: {jobs}"
+        finished("quick-4", 30, timeout=15)  # 3 s of quick runs alone
+        alone = len(renewed)
+        # The keeper used to renew the quick runs every second (3 or more times by now).
+        assert alone <= 1, f"runs that end within a renewal interval were renewed {alone} times"
+        run = sched.run_now("slow")
+        wait_for(lambda: Run.objects.get(pk=run.pk).status == "success", 15, what="the slow run")
+    assert Run.objects.filter(job__startswith="quick-", status="success").count() >= 150
     times = [at for at, batch in renewed if "slow" in batch]
-    assert 4 <= len(times) <= 9, f"renewed about every 0.2 s over 1.5 s, not {len(times)} times"
+    assert 1 <= len(times) <= 4, f"the 2.5 s run was renewed about every second, not {len(times)} times"
     gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
-    assert max(gaps) < 0.6, f"a renewal came {max(gaps):.2f}s after the previous one"
+    assert not gaps or max(gaps) < 1.6, f"a renewal came {max(gaps):.2f}s after the previous one"
 
 
 def test_a_runner_that_cannot_renew_fences_itself_before_its_lease_expires(
