@@ -661,7 +661,10 @@ def test_handlers_start_at_their_slot_never_before_even_when_claimed_ahead(sched
 
 def test_claiming_ahead_does_not_skip_the_slot_after_a_run_that_ends_just_in_time(sched: Scheduler) -> None:
     def nearly_the_interval(ctx: Context) -> None:
-        time.sleep(0.4)  # of a 500 ms interval
+        # Of a 500 ms interval: still running when the next slot is claimed 250-270 ms ahead, and
+        # ending with room for its end to be recorded before that slot even on a loaded CI
+        # machine (with 0.4 s, a run that started one claim late left too little: a skip in CI).
+        time.sleep(0.35)
 
     sched.every("snug", "500ms", nearly_the_interval)
     start(sched)
