@@ -721,3 +721,116 @@ def test_skip_locked_leaves_a_job_held_elsewhere_undecided_instead_of_waiting() 
     finally:
         release.set()
         holder.join(5)
+
+
+# -- PostgreSQL: how a claim waits for another instance's claim of the same job --------------
+
+
+def _claim_in_a_held_transaction(job: Job, slot: int, held: threading.Event, release: threading.Event) -> list[Any]:
+    """Claim ``slot`` in a transaction kept open until ``release``; return what it won."""
+    from django.db import transaction
+
+    won: list[Any] = []
+    try:
+        with transaction.atomic():
+            won.extend(decide([store.Claim(job, slot)], owner="holder", skip_locked=True).won)
+            held.set()
+            release.wait(10)
+    finally:
+        held.set()
+        connections.close_all()
+    return won
+
+
+def _wait_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let a claim wait seconds for a held job instead of LOCK_WAIT_MS, so that no timing decides the test."""
+    from django_anarchon.store import sql
+
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("the claim function and its lock wait exist on PostgreSQL only; elsewhere see the tests above")
+    monkeypatch.setattr(sql, "LOCK_WAIT_MS", 10_000)
+
+
+def test_a_claim_that_waited_for_the_winner_of_its_slot_loses_without_locking_or_writing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loser waits on the advisory lock and looks again: no row lock, no transaction id, no flushed commit."""
+    from django.db import connection, transaction
+
+    _wait_long(monkeypatch)
+    job = make_job()
+    store.ensure_jobs([job])
+    held, release = threading.Event(), threading.Event()
+    result: list[list[Any]] = []
+    holder = threading.Thread(target=lambda: result.append(_claim_in_a_held_transaction(job, SLOT, held, release)))
+    holder.start()
+    try:
+        assert held.wait(10)
+        threading.Timer(0.3, release.set).start()
+        with transaction.atomic():
+            outcome = decide([store.Claim(job, SLOT)], owner="loser", skip_locked=True)
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT txid_current_if_assigned()")
+                xid = cursor.fetchone()[0]
+        holder.join(10)
+    finally:
+        release.set()
+        holder.join(10)
+    assert result and len(result[0]) == 1, "the holder won the slot"
+    assert outcome.won == [] and outcome.busy == [], "the loser waited for the holder and lost, not busy"
+    assert xid is None, f"the losing claim locked or wrote something (transaction id {xid})"
+    assert list(Run.objects.values_list("owner", flat=True)) == ["holder"]
+
+
+def test_a_claim_that_waited_for_another_slot_of_its_job_still_wins_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    _wait_long(monkeypatch)
+    job = make_job(overlap="allow")
+    store.ensure_jobs([job])
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_claim_in_a_held_transaction, args=(job, SLOT, held, release))
+    holder.start()
+    try:
+        assert held.wait(10)
+        threading.Timer(0.3, release.set).start()
+        outcome = decide([store.Claim(job, SLOT + 1000)], owner="waiter", skip_locked=True)
+    finally:
+        release.set()
+        holder.join(10)
+    assert [(r.slot, r.owner) for r in outcome.won] == [(SLOT + 1000, "waiter")]
+    assert Run.objects.count() == 2
+
+
+def test_a_claim_that_waited_for_a_job_row_held_by_no_claim_wins_once_it_is_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A holder without the advisory lock (a pause, the Python path): the claim waits for the row itself."""
+    from django.db import transaction
+
+    _wait_long(monkeypatch)
+    job = make_job()
+    store.ensure_jobs([job])
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_row() -> None:
+        try:
+            with transaction.atomic():
+                store._lock_jobs(["job"])
+                held.set()
+                release.wait(10)
+        finally:
+            held.set()
+            connections.close_all()
+
+    holder = threading.Thread(target=hold_the_row)
+    holder.start()
+    try:
+        assert held.wait(10)
+        started = time.monotonic()
+        threading.Timer(0.3, release.set).start()
+        outcome = decide([store.Claim(job, SLOT)], owner="waiter", skip_locked=True)
+        waited = time.monotonic() - started
+    finally:
+        release.set()
+        holder.join(10)
+    assert [r.owner for r in outcome.won] == ["waiter"] and outcome.busy == []
+    assert waited >= 0.25, f"the claim did not wait for the row lock ({waited:.3f} s)"
