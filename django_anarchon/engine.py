@@ -5,7 +5,8 @@ Four threads; the ones that query have their own database connection:
 * the **loop** sleeps until the next due slot (a heap keyed by slot time, so a
   turn costs O(log n) in the number of jobs), claims every slot due at that
   instant in one transaction, and every ``POLL_INTERVAL`` looks for pending
-  runs and expired leases (PostgreSQL wakes it at once via LISTEN/NOTIFY);
+  runs and expired leases (PostgreSQL wakes it at once via LISTEN/NOTIFY),
+  coming back at the very moment a lease it saw about to expire does;
 * the **keeper** renews the leases of every run this process holds in one
   UPDATE;
 * the **watchdog** never touches the database: it ends runs that passed their
@@ -55,6 +56,10 @@ BUSY_RETRY_MS = 20
 BACKUP_AHEAD_MS = 30
 # How old the list of live instances may be when slots are claimed (see _read_peers).
 PEERS_REFRESH_S = 2.0
+# A lease seen about to expire is looked at again this long after its expiry (by the
+# database clock as estimated here), and a takeover the database refused this long after.
+TAKEOVER_MARGIN_S = 0.005
+TAKEOVER_RETRY_S = 0.05
 
 
 def share_ranks(names: Iterable[str]) -> dict[str, int]:
@@ -151,6 +156,7 @@ class Engine:
         self._stopping = threading.Event()
         self._started = threading.Event()
         self._poll_requested = True
+        self._takeover_at = float("inf")  # time.monotonic() of the next look at a lease about to expire
         self._room_wanted = False  # due slots wait for a worker: wake the loop when a handler returns
         self._waiting_jobs: set[str] = set()
         self._threads: list[threading.Thread] = []
@@ -411,14 +417,14 @@ class Engine:
                     if room and self._due(self.clock.now_ms()):
                         self._dispatch_due()
                     mono = time.monotonic()
-                    if mono >= next_poll or self._poll_requested:
+                    if mono >= next_poll or self._poll_requested or mono >= self._takeover_at:
                         self._poll_requested = False
                         self._poll()
                         next_poll = time.monotonic() + self.settings.poll_interval
                     if mono >= next_house:
                         self._housekeeping()
                         next_house = time.monotonic() + self._heartbeat_every()
-                    wait = min(next_poll, next_house) - time.monotonic()
+                    wait = min(next_poll, next_house, self._takeover_at) - time.monotonic()
                     if self.capacity() > 0:
                         now_ms = self.clock.now_ms()
                         if self._heap:
@@ -685,7 +691,14 @@ class Engine:
         self._wake.set()
 
     def _poll(self) -> None:
-        rows = self._db(store.poll)
+        """Claim pending runs and take over expired leases; note when the next lease expires.
+
+        The poll also returns the leases that expire before the next poll, so that
+        the loop comes back when they do: a crashed runner is taken over
+        ``LEASE_TTL`` after its last renewal, not up to a poll later.
+        """
+        self._takeover_at = float("inf")
+        rows = self._db(store.poll, expiring_within=self.settings.poll_interval)
         if rows is _FAILED:
             return
         waiting: set[str] = set()
@@ -702,7 +715,13 @@ class Engine:
                     )
                 continue
             if row.status == Status.RUNNING:
-                self._take_over(row)
+                expires = row.lease_expires_at.timestamp() if row.lease_expires_at else 0.0
+                left_s = expires - self.clock.now_ms() / 1000
+                if left_s > 0 or not self._take_over(row):
+                    # Not expired yet by this estimate of the database clock, or not by the
+                    # database's own (the estimate was early): look again when it is.
+                    again = time.monotonic() + max(left_s + TAKEOVER_MARGIN_S, TAKEOVER_RETRY_S if left_s <= 0 else 0)
+                    self._takeover_at = min(self._takeover_at, again)
             else:
                 waiting.add(row.job)
                 pending.append(row)
@@ -721,7 +740,8 @@ class Engine:
             if outcome is not _FAILED:
                 self._handle(outcome, sent)
 
-    def _take_over(self, row: Run) -> None:
+    def _take_over(self, row: Run) -> bool:
+        """Try to take over ``row``, whose lease looks expired; whether this instance did."""
         self.keeper.fence_overdue()
         sent = time.monotonic()
         start = self.capacity() > 0
@@ -734,7 +754,7 @@ class Engine:
             start=start,
         )
         if result is _FAILED or result is None:
-            return
+            return False
         old, new = result
         logger.warning(
             "Took over %s slot=%s: attempt %d on %s stopped renewing its lease; attempt %d %s",
@@ -750,6 +770,7 @@ class Engine:
         signals.send(signals.run_interrupted, run=old, exception=None)
         if new.status == Status.RUNNING:
             self.adopt(new, sent)
+        return True
 
     def _housekeeping(self) -> None:
         self._db(store.heartbeat, self.token, self.instance_id, self.host, self.pid)

@@ -483,6 +483,24 @@ def test_a_runner_that_cannot_renew_fences_itself_before_its_lease_expires(
     assert ended[0].duration > 0
 
 
+def test_a_lease_seen_about_to_expire_is_taken_over_when_it_expires_not_a_poll_later(sched: Scheduler) -> None:
+    """The poll also reads the leases that expire before the next poll and comes back at their expiry."""
+    with override_settings(ANARCHON={"LEASE_TTL": 6.0, "POLL_INTERVAL": 2.0}):
+        sched.every("orphan", ON_DEMAND, lambda ctx: None)
+        sched.run_now("orphan")
+        # Claimed by an instance that then died: a lease of 1 s that nobody renews.
+        jobs = {"orphan": sched.job("orphan")}
+        [dead] = store.claim_pending(store.poll(), jobs, owner="dead", instance_id="dead", ttl=1.0, capacity=1).won
+        # The first poll comes at once, before the lease expires; the next would come 2 s later.
+        start(sched)
+        second = wait_for(lambda: Run.objects.filter(job="orphan", attempt=2).first(), 10, what="the takeover")
+    first = Run.objects.get(pk=dead.pk)
+    assert first.status == "interrupted" and second.reason == "takeover"
+    assert second.instance_id == "engine-test"
+    late = (second.started_at - dead.lease_expires_at).total_seconds()
+    assert 0 <= late < 0.5, f"taken over {late:.3f}s after the lease expired (POLL_INTERVAL is 2 s)"
+
+
 def test_database_errors_in_the_loop_are_survived(
     sched: Scheduler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

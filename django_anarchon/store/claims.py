@@ -330,14 +330,19 @@ def _expand_catch_ups(
     return claims, missed
 
 
-def poll(limit: int = 200) -> list[Run]:
+def poll(limit: int = 200, expiring_within: float = 0.0) -> list[Run]:
     """Runs that need someone: pending ones, and running ones whose lease has expired.
 
+    With ``expiring_within`` (seconds), also the running runs whose lease expires
+    within that time by the database clock, so that the caller can come back
+    for them when it does instead of a poll later. A healthy runner renews long
+    before that, so these are the runs of a runner that has stopped renewing.
     A read only; nothing is decided here.
     """
+    expiring = db_in(expiring_within) if expiring_within > 0 else DbNow()
     return list(
         _runs()
-        .filter(Q(status=Status.PENDING) | Q(status=Status.RUNNING, lease_expires_at__lt=DbNow()))
+        .filter(Q(status=Status.PENDING) | Q(status=Status.RUNNING, lease_expires_at__lt=expiring))
         .order_by("slot", "id")[:limit]
     )
 
