@@ -7,10 +7,11 @@ each with its own database connection, released together by a barrier.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -726,20 +727,36 @@ def test_skip_locked_leaves_a_job_held_elsewhere_undecided_instead_of_waiting() 
 # -- PostgreSQL: how a claim waits for another instance's claim of the same job --------------
 
 
-def _claim_in_a_held_transaction(job: Job, slot: int, held: threading.Event, release: threading.Event) -> list[Any]:
-    """Claim ``slot`` in a transaction kept open until ``release``; return what it won."""
+@contextlib.contextmanager
+def _holding(action: Callable[[], Any], release_after: float = 0.3) -> Iterator[list[Any]]:
+    """Run ``action`` in a transaction on another connection, open until ``release_after`` s into the block.
+
+    Yields a list that holds what ``action`` returned once the block has ended.
+    """
     from django.db import transaction
 
-    won: list[Any] = []
-    try:
-        with transaction.atomic():
-            won.extend(decide([store.Claim(job, slot)], owner="holder", skip_locked=True).won)
+    held, release = threading.Event(), threading.Event()
+    result: list[Any] = []
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                result.append(action())
+                held.set()
+                release.wait(10)
+        finally:
             held.set()
-            release.wait(10)
+            connections.close_all()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        threading.Timer(release_after, release.set).start()
+        yield result
     finally:
-        held.set()
-        connections.close_all()
-    return won
+        release.set()
+        holder.join(10)
 
 
 def _wait_long(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -760,23 +777,13 @@ def test_a_claim_that_waited_for_the_winner_of_its_slot_loses_without_locking_or
     _wait_long(monkeypatch)
     job = make_job()
     store.ensure_jobs([job])
-    held, release = threading.Event(), threading.Event()
-    result: list[list[Any]] = []
-    holder = threading.Thread(target=lambda: result.append(_claim_in_a_held_transaction(job, SLOT, held, release)))
-    holder.start()
-    try:
-        assert held.wait(10)
-        threading.Timer(0.3, release.set).start()
-        with transaction.atomic():
-            outcome = decide([store.Claim(job, SLOT)], owner="loser", skip_locked=True)
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT txid_current_if_assigned()")
-                xid = cursor.fetchone()[0]
-        holder.join(10)
-    finally:
-        release.set()
-        holder.join(10)
-    assert result and len(result[0]) == 1, "the holder won the slot"
+    holding = _holding(lambda: decide([store.Claim(job, SLOT)], owner="holder", skip_locked=True).won)
+    with holding as holder_won, transaction.atomic():
+        outcome = decide([store.Claim(job, SLOT)], owner="loser", skip_locked=True)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT txid_current_if_assigned()")
+            xid = cursor.fetchone()[0]
+    assert len(holder_won[0]) == 1, "the holder won the slot"
     assert outcome.won == [] and outcome.busy == [], "the loser waited for the holder and lost, not busy"
     assert xid is None, f"the losing claim locked or wrote something (transaction id {xid})"
     assert list(Run.objects.values_list("owner", flat=True)) == ["holder"]
@@ -786,16 +793,8 @@ def test_a_claim_that_waited_for_another_slot_of_its_job_still_wins_its_own(monk
     _wait_long(monkeypatch)
     job = make_job(overlap="allow")
     store.ensure_jobs([job])
-    held, release = threading.Event(), threading.Event()
-    holder = threading.Thread(target=_claim_in_a_held_transaction, args=(job, SLOT, held, release))
-    holder.start()
-    try:
-        assert held.wait(10)
-        threading.Timer(0.3, release.set).start()
+    with _holding(lambda: decide([store.Claim(job, SLOT)], owner="holder", skip_locked=True)):
         outcome = decide([store.Claim(job, SLOT + 1000)], owner="waiter", skip_locked=True)
-    finally:
-        release.set()
-        holder.join(10)
     assert [(r.slot, r.owner) for r in outcome.won] == [(SLOT + 1000, "waiter")]
     assert Run.objects.count() == 2
 
@@ -804,33 +803,12 @@ def test_a_claim_that_waited_for_a_job_row_held_by_no_claim_wins_once_it_is_rele
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A holder without the advisory lock (a pause, the Python path): the claim waits for the row itself."""
-    from django.db import transaction
-
     _wait_long(monkeypatch)
     job = make_job()
     store.ensure_jobs([job])
-    held, release = threading.Event(), threading.Event()
-
-    def hold_the_row() -> None:
-        try:
-            with transaction.atomic():
-                store._lock_jobs(["job"])
-                held.set()
-                release.wait(10)
-        finally:
-            held.set()
-            connections.close_all()
-
-    holder = threading.Thread(target=hold_the_row)
-    holder.start()
-    try:
-        assert held.wait(10)
+    with _holding(lambda: store._lock_jobs(["job"])):
         started = time.monotonic()
-        threading.Timer(0.3, release.set).start()
         outcome = decide([store.Claim(job, SLOT)], owner="waiter", skip_locked=True)
         waited = time.monotonic() - started
-    finally:
-        release.set()
-        holder.join(10)
     assert [r.owner for r in outcome.won] == ["waiter"] and outcome.busy == []
     assert waited >= 0.25, f"the claim did not wait for the row lock ({waited:.3f} s)"
