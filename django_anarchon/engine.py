@@ -717,11 +717,13 @@ class Engine:
             if row.status == Status.RUNNING:
                 expires = row.lease_expires_at.timestamp() if row.lease_expires_at else 0.0
                 left_s = expires - self.clock.now_ms() / 1000
-                if left_s > 0 or not self._take_over(row):
-                    # Not expired yet by this estimate of the database clock, or not by the
-                    # database's own (the estimate was early): look again when it is.
-                    again = time.monotonic() + max(left_s + TAKEOVER_MARGIN_S, TAKEOVER_RETRY_S if left_s <= 0 else 0)
-                    self._takeover_at = min(self._takeover_at, again)
+                if left_s > 0:  # not expired yet by this estimate of the database clock
+                    again_s = left_s + TAKEOVER_MARGIN_S
+                elif not self._take_over(row):  # not by the database's own: the estimate was early
+                    again_s = TAKEOVER_RETRY_S
+                else:
+                    continue
+                self._takeover_at = min(self._takeover_at, time.monotonic() + again_s)
             else:
                 waiting.add(row.job)
                 pending.append(row)
