@@ -9,6 +9,7 @@ delay the moment a runner gives its runs up.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -57,11 +58,19 @@ class Keeper:
         every = self.engine.settings.renew_every
         retry_at = 0.0
         failing_since: float | None = None
+
+        def held_runs() -> list[ActiveRun]:
+            return [a for a in self.engine.active_runs() if a.state != "done"]
+
+        def due(held: list[ActiveRun]) -> float:
+            """When the oldest of ``held`` leases is due (a failed renewal: retried no sooner than ``retry_at``)."""
+            return max(min(a.renewed_at for a in held) + every, retry_at) if held else math.inf
+
         try:
             while not self.stopped.is_set():
                 now = time.monotonic()
-                held = [a for a in self.engine.active_runs() if a.state != "done"]
-                if held and now >= max(min(a.renewed_at for a in held) + every, retry_at):
+                held = held_runs()
+                if now >= due(held):
                     held = [a for a in held if now - a.renewed_at >= every / 2]
                     sent = time.monotonic()
                     try:
@@ -90,9 +99,7 @@ class Keeper:
                             if gone is not None:
                                 self.lose(gone, describe_loss(row))
                         retry_at = 0.0
-                ages = [a.renewed_at for a in self.engine.active_runs() if a.state != "done"]
-                due = max(min(ages) + every, retry_at) if ages else time.monotonic() + 1.0
-                self.renew_wake.wait(max(0.01, min(due - time.monotonic(), 1.0)))
+                self.renew_wake.wait(max(0.01, min(due(held_runs()) - time.monotonic(), 1.0)))
                 self.renew_wake.clear()
         finally:
             connections.close_all()
