@@ -117,6 +117,66 @@ def test_workers_reuse_idle_threads_and_start_one_per_run_when_none_is_idle() ->
     assert next(workers._count) == 4, "no new thread while one was idle"
 
 
+def test_a_worker_that_queues_a_follow_up_stays_reserved_for_it_and_takes_it_itself() -> None:
+    """A task that returns True has queued a follow-up: its thread is not idle until that is done."""
+    workers = Workers()
+    ran: list[tuple[str, str]] = []
+
+    def follow_up(run: ActiveRun) -> bool:
+        ran.append(("follow-up", threading.current_thread().name))
+        return False
+
+    def first(run: ActiveRun) -> bool:
+        ran.append(("first", threading.current_thread().name))
+        workers.follow(run, follow_up)
+        return True
+
+    workers.submit(active(1), first)
+    wait_for(lambda: len(ran) == 2, 5, what="the task and its follow-up")
+    assert ran[0][1] == ran[1][1], "the one thread took its own follow-up"
+    wait_for(lambda: len(workers._idle) == 1, 5, what="the thread to be idle once the follow-up is done")
+    threading.Event().wait(0.05)
+    assert len(workers._idle) == 1, "counted idle once, not once per task"
+    assert next(workers._count) == 2, "no second thread was started"
+
+
+def test_a_handler_that_returns_while_runs_still_wait_to_start_queues_its_ending_behind_them() -> None:
+    """Its thread takes the next start at once; the ending follows as a task of its own.
+
+    Every run of a burst woke a thread of its own: a hundred trivial runs due at
+    once started one every ~50 µs, over 5 ms.
+    """
+    job = build_job("interval", "quick", "1s", lambda ctx: None, {})
+    engine = Engine([job], parse({}), instance_id="follow")
+    followed: list[Any] = []
+    engine.runner.workers.follow = lambda run, work: followed.append((run, work))  # type: ignore[method-assign]
+    ended: list[ActiveRun] = []
+
+    def complete(run: ActiveRun, error: BaseException | None) -> None:
+        ended.append(run)
+        run.done()
+
+    engine.runner._complete = complete  # type: ignore[method-assign]
+    run: Any = Run(id=1, job="quick", slot=int(time.time() * 1000) - 5, attempt=1, reason="scheduled")
+    first = ActiveRun(run, job, renewed_at=time.monotonic())
+    engine._active[1] = first
+    engine.runner.starting.add(2)  # this run, and one more of the same instant not started yet
+    assert engine.runner._execute(first) is True, "the thread is reserved for the queued ending"
+    assert first.returned and [run for run, _ in followed] == [first]
+    assert ended == [] and not first.finished.is_set(), "ended only once the other run has started"
+    engine.runner.starting.begun()  # the other run's handler is called
+    (_, ending) = followed[0]
+    assert ending(first) is False
+    assert ended == [first] and first.finished.is_set() and 1 not in engine._active
+
+    second: Any = Run(id=2, job="quick", slot=run.slot, attempt=1, reason="scheduled")
+    alone = ActiveRun(second, job, renewed_at=time.monotonic())
+    engine._active[2] = alone
+    engine.runner.starting.add()
+    assert engine.runner._execute(alone) is False, "nothing waits to start: ended on the spot"
+    assert ended == [first, alone] and alone.finished.is_set() and len(followed) == 1
+
+
 def test_starting_counts_runs_until_their_handler_begins() -> None:
     starting = Starting()
     assert starting.wait_done(0), "nothing is starting"
