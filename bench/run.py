@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "latest.json").write_text(json.dumps(results, indent=2))
     write(results, args.out)
+    failed = [f"{db} {name}" for db, found in results["databases"].items() for name, r in found.items() if "error" in r]
+    if failed:
+        # The report lists them too; a run that lost a scenario must not look like a clean one.
+        print(f"failed scenarios (tracebacks in latest.json): {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
