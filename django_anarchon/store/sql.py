@@ -52,8 +52,8 @@ def _kept_cursor(db: str) -> CursorWrapper:
     """A cursor of this thread's connection ``db``, kept for the next claim.
 
     Making a cursor (Django's wrapper, psycopg's cursor and the loaders of its
-    result columns) took ~30 µs of the ~105 µs of client CPU a lost claim
-    costs; the statement itself still goes through Django's wrapper, so users'
+    result columns) took ~15 µs of the ~105 µs of client CPU a lost claim
+    cost; the statement itself still goes through Django's wrapper, so users'
     ``execute_wrapper`` instrumentation sees every claim. A new cursor is made
     when the connection was closed or replaced, or when query logging was
     turned on or off (``DEBUG``, ``CaptureQueriesContext``), so that logged
