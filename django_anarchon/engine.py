@@ -54,6 +54,9 @@ _FAILED: Any = object()
 BUSY_RETRY_MS = 20
 # How far ahead of their slot the slots of other instances' shares are claimed (see _draw_claim_ahead).
 BACKUP_AHEAD_MS = 30
+# When the backup look at one slot comes, the other shares' slots whose look is due within
+# this many ms are looked at in the same statement (see _dispatch_due).
+BACKUP_WINDOW_MS = 20
 # How old the list of live instances may be when slots are claimed (see _read_peers).
 PEERS_REFRESH_S = 2.0
 # A lease seen about to expire is looked at again this long after its expiry (by the
@@ -146,9 +149,10 @@ class Engine:
         # (wake time ms, entry number, job): a job's entry number changes whenever it is
         # pushed again, so an older entry still in the heap is recognised and dropped.
         self._heap: list[tuple[int, int, str]] = []
-        # Entries due at their exact time, without claiming ahead: a busy job's slot at
-        # the slot, another instance's share of an instant at the backup lead.
+        # Entries due at their exact time, without claiming ahead: a busy job's slot at the slot.
         self._exact: list[tuple[int, int, str]] = []
+        # Backup looks: other instances' shares, at the backup lead before their slot.
+        self._backup: list[tuple[int, int, str]] = []
         self._entry: dict[str, int] = {}
         self._entries = itertools.count()
         self._next_slot: dict[str, int] = {}
@@ -281,15 +285,18 @@ class Engine:
         An instance claims the slots it is preferred for (:meth:`_preferred`)
         ``claim_ahead_ms`` ahead: at least twice its recent claim time, so that
         the claim commits before the slot, and at least 40 ms more than the
-        backup lead, plus up to 20 ms of jitter, at most 270 ms. The other
-        slots of the same instant, in case their preferred instance is gone or
-        slow, ``BACKUP_AHEAD_MS`` ahead on every instance. The backup lead is the
-        same everywhere and below every first lead, so a peer's share is never
+        earliest backup look (``BACKUP_AHEAD_MS + BACKUP_WINDOW_MS``), plus up
+        to 20 ms of jitter, at most 270 ms. The other slots of the same instant,
+        in case their preferred instance is gone or slow, ``BACKUP_AHEAD_MS``
+        ahead on every instance, or up to ``BACKUP_WINDOW_MS`` before that
+        together with another backup look. The backup lead is the same
+        everywhere and below every first lead, so a peer's share is never
         taken before that peer's own first pass; a backup lead that followed the
         claim time let the instance with the slowest claims (the one writing the
         most rows) take the shares of the fastest, which then won nothing.
         """
-        lead = min(250.0, max(BACKUP_AHEAD_MS + 40.0, 2 * self._claim_ms)) + random.uniform(0.0, 20.0)  # noqa: S311
+        floor = BACKUP_AHEAD_MS + BACKUP_WINDOW_MS + 40.0
+        lead = min(250.0, max(floor, 2 * self._claim_ms)) + random.uniform(0.0, 20.0)  # noqa: S311
         self.claim_ahead_ms = int(lead)
 
     def _preferred(self, name: str, slot: int) -> bool:
@@ -429,8 +436,9 @@ class Engine:
                         now_ms = self.clock.now_ms()
                         if self._heap:
                             wait = min(wait, (self._heap[0][0] - self.claim_ahead_ms - now_ms) / 1000)
-                        if self._exact:
-                            wait = min(wait, (self._exact[0][0] - now_ms) / 1000)
+                        for exact in (self._exact, self._backup):
+                            if exact:
+                                wait = min(wait, (exact[0][0] - now_ms) / 1000)
                     self._end_turn()
                     if wait > 0 and not self._poll_requested:
                         self._wake.wait(wait)
@@ -527,13 +535,19 @@ class Engine:
         # done by the time it is due; the run's worker starts the handler at the
         # slot itself, never before (Runner._execute).
         horizon = now + self.claim_ahead_ms
-        backup = now + self.backup_ahead_ms
+        # A backup look due now takes with it those due in the next BACKUP_WINDOW_MS: one
+        # statement for the lot, where each took its own round trip (and, with several
+        # instances, the looks are most of the statements; nearly all find the slot decided).
+        window = BACKUP_WINDOW_MS if self._backup and self._backup[0][0] <= now else 0
+        backup = now + self.backup_ahead_ms + window
         claims: list[store.Claim] = []
         catch_ups: list[store.CatchUp] = []
         previous: dict[str, int] = {}
-        while self._due(now):
+        while self._due(now, now + window):
             if self._exact and self._exact[0][0] <= now:
                 _, entry, name = heapq.heappop(self._exact)
+            elif self._backup and self._backup[0][0] <= now + window:
+                _, entry, name = heapq.heappop(self._backup)
             else:
                 _, entry, name = heapq.heappop(self._heap)
             if self._entry[name] != entry:
@@ -551,7 +565,7 @@ class Engine:
             ):
                 # Another instance's share: claim it only if still undecided just before the slot.
                 self._next_slot[name] = plan.claim
-                self._push_exact(plan.claim - self.backup_ahead_ms, name)
+                self._push_backup(plan.claim - self.backup_ahead_ms, name)
                 continue
             if plan.claim is not None:
                 claims.append(store.Claim(job, plan.claim))
@@ -588,11 +602,16 @@ class Engine:
         self._next_slot[name] = min(slot, self._next_slot[name])
         self._push(at_ms, name)
 
-    def _due(self, now_ms: int) -> bool:
-        """Whether a heap entry is within the claim-ahead margin, or an exact one has come."""
+    def _due(self, now_ms: int, backup_until: int | None = None) -> bool:
+        """Whether a heap entry is within the claim-ahead margin, or an exact one or a backup look has come.
+
+        ``backup_until``: backup looks due by then count too (the window of one that has come).
+        """
         if self._heap and self._heap[0][0] <= now_ms + self.claim_ahead_ms:
             return True
-        return bool(self._exact) and self._exact[0][0] <= now_ms
+        if self._exact and self._exact[0][0] <= now_ms:
+            return True
+        return bool(self._backup) and self._backup[0][0] <= (now_ms if backup_until is None else backup_until)
 
     def _push(self, at_ms: int, name: str) -> None:
         self._entry[name] = entry = next(self._entries)
@@ -602,6 +621,11 @@ class Engine:
         """Look at job ``name`` again at ``at_ms`` itself, not ``claim_ahead_ms`` before it."""
         self._entry[name] = entry = next(self._entries)
         heapq.heappush(self._exact, (at_ms, entry, name))
+
+    def _push_backup(self, at_ms: int, name: str) -> None:
+        """Look at job ``name`` (another instance's share) at ``at_ms``, or with a backup look just before."""
+        self._entry[name] = entry = next(self._entries)
+        heapq.heappush(self._backup, (at_ms, entry, name))
 
     def _decide(
         self,

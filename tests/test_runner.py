@@ -239,14 +239,16 @@ def test_every_instance_claims_other_shares_after_every_first_pass(monkeypatch: 
     import django_anarchon.engine as engine_module
 
     engine = Engine([], parse({}), instance_id="leads")
-    for claim_ms, first in ((2.0, 70), (30.0, 70), (60.0, 120), (500.0, 250)):
+    for claim_ms, first in ((2.0, 90), (30.0, 90), (60.0, 120), (500.0, 250)):
         engine._claim_ms = claim_ms
         for jitter in (0.0, 20.0):
             monkeypatch.setattr(engine_module.random, "uniform", lambda low, high, jitter=jitter: jitter)
             engine._draw_claim_ahead()
             assert engine.backup_ahead_ms == engine_module.BACKUP_AHEAD_MS == 30
+            assert engine_module.BACKUP_WINDOW_MS == 20
             assert engine.claim_ahead_ms == first + int(jitter)
-            assert engine.claim_ahead_ms >= engine.backup_ahead_ms + 40, "a peer's first pass comes well before"
+            earliest_look = engine.backup_ahead_ms + engine_module.BACKUP_WINDOW_MS
+            assert engine.claim_ahead_ms >= earliest_look + 40, "a peer's first pass comes well before"
             assert engine.claim_ahead_ms >= min(2 * claim_ms, 250), "its own claims commit before the slot"
 
 
@@ -331,6 +333,52 @@ def test_an_instance_claims_its_share_first_and_the_rest_just_before_the_slot(mo
     assert decided[1] == sorted(set(engine.jobs) - set(mine)), "then the rest, in case their instance is gone"
     assert not engine._due(clock.at) and all(slot == SLOT + 1000 for slot in engine._next_slot.values())
     assert len(reads) == 1, "the live instances are read when claiming, at most every PEERS_REFRESH_S"
+
+
+def test_backup_looks_due_close_together_share_one_statement(monkeypatch: Any) -> None:
+    """Other instances' slots due within BACKUP_WINDOW_MS of each other are looked at in one claim.
+
+    Each backup look took its own round trip; with several instances they are most of the
+    statements a cluster sends (each instance looks at every slot not in its share), and
+    nearly all of them find the slot decided. Jobs due at distinct instants 2 ms apart,
+    walked one millisecond at a time: the instance's own slots are claimed at the first
+    lead, the others' no earlier than the backup lead plus the window (still well after
+    their own instance's first pass) and no later than the backup lead, a few per statement.
+    """
+    import django_anarchon.engine as engine_module
+
+    clock = FixedClock(0)
+    engine = sharing_engines(3, 60, clock)[0]
+    calls: list[tuple[int, list[tuple[str, int]]]] = []
+
+    def decide(claims: list[Any], catch_ups: list[Any], **kwargs: Any) -> Any:
+        assert not catch_ups
+        calls.append((clock.at, [(claim.job.name, claim.slot) for claim in claims]))
+        return store.Outcome()
+
+    monkeypatch.setattr(engine, "_decide", decide)
+    peers = list(engine._peers)
+    monkeypatch.setattr(store, "live_instances", lambda within: peers)
+    engine.claim_ahead_ms, engine.backup_ahead_ms = 90, 30
+    window = engine_module.BACKUP_WINDOW_MS
+    engine._heap = []
+    slots = {name: SLOT + 2 * n for n, name in enumerate(engine.jobs)}
+    for name, slot in slots.items():
+        engine._next_slot[name] = slot
+        engine._push(slot, name)
+    for clock.at in range(SLOT - 200, SLOT + 200):
+        if engine._due(clock.at):
+            engine._dispatch_due()
+    looked = [(at, name, slot) for at, claims in calls for name, slot in claims]
+    assert sorted((name, slot) for _, name, slot in looked) == sorted(slots.items()), "each slot exactly once"
+    own = [(at, slot) for at, name, slot in looked if engine._preferred(name, slot)]
+    backups = [(at, slot) for at, name, slot in looked if not engine._preferred(name, slot)]
+    assert 10 < len(own) < 30 and len(backups) > 30
+    assert all(at == slot - 90 for at, slot in own), "own share at the first lead"
+    assert all(slot - 30 - window <= at <= slot - 30 for at, slot in backups), backups
+    assert all(at >= slot - 90 + 40 for at, slot in backups), "a peer's first pass comes well before"
+    statements = {at for at, name, slot in looked if not engine._preferred(name, slot)}
+    assert len(statements) <= len(backups) / 4, f"{len(backups)} backup looks in {len(statements)} statements"
 
 
 def test_an_instance_learns_of_a_new_peer_when_it_next_claims(monkeypatch: Any) -> None:
