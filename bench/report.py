@@ -151,6 +151,14 @@ def _cpu_note(row: dict[str, Any]) -> str:
     return f"; CPU busy {shared:.0%} while claiming, {reference:.0%} under pgbench"
 
 
+def _per_statement(measured: dict[str, Any]) -> float:
+    return round(measured["decisions"] / measured["transactions"], 1) if measured.get("transactions") else math.nan
+
+
+def _backup_share(measured: dict[str, Any]) -> float | None:
+    return measured["backup_won"] / measured["won"] if measured.get("won") else None
+
+
 def _percent(value: float | None) -> str:
     return "–" if value is None else f"{value:.0%}"
 
@@ -300,7 +308,8 @@ def markdown(results: dict[str, Any]) -> str:
             "“pgbench claim fn”: pgbench itself calling the one-statement claim for slots its clients race "
             "for (`bench/pgbench_claim_function.sql`): the database's side of “racing 1/tx”, no Python. "
             "“shared out”: each client claims the slots dealt to it first and the others' a little later, "
-            "as instances do; “racing”: every client claims every slot at once (the worst case).",
+            "as instances do (their backup looks due within `BACKUP_WINDOW_MS` of each other in one "
+            "statement); “racing”: every client claims every slot at once (the worst case).",
             "",
             _table(
                 [
@@ -322,6 +331,37 @@ def markdown(results: dict[str, Any]) -> str:
                     "1/tx ÷ Python INSERT",
                 ],
                 claim_rows,
+            ),
+            "",
+        ]
+    share_rows = []
+    for db, scenarios in results["databases"].items():
+        for row in scenarios.get("claims", {}).get("rows", []):
+            if "backup_won" not in row.get("shared_1", {}):
+                continue  # results from before these were counted
+            share_rows.append(
+                [DB_LABEL[db], row["clients"]]
+                + [_per_statement(row[f"shared_{batch}"]) for batch in (1, 100)]
+                + [_percent(_backup_share(row[f"shared_{batch}"])) for batch in (1, 100)]
+            )
+    if share_rows:
+        out += [
+            "### How the shared-out clients decided",
+            "",
+            "Decisions per statement (the backup looks of slots due close together go in one), and the "
+            "share of slots won by a backup look rather than by the client they were dealt to (that client "
+            "had not claimed them in time; near 0 % when the share-out works).",
+            "",
+            _table(
+                [
+                    "database",
+                    "clients",
+                    "decisions/statement 1/tx",
+                    "decisions/statement 100/tx",
+                    "won by a backup 1/tx",
+                    "won by a backup 100/tx",
+                ],
+                share_rows,
             ),
             "",
         ]

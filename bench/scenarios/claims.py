@@ -98,9 +98,13 @@ def clients(
         setup = [*command, "--mode", "setup", "--start-at", "0"]
         subprocess.run(setup, cwd=ROOT, env=env, check=True, capture_output=True)
     command += ["--mode", mode] + (["--finish"] if finish else [])
+    if share_out:  # the clients' common clock: each one's batch count (bench_claims._Progress)
+        progress = ctx.scratch / "claims-progress"
+        progress.write_bytes(bytes(8 * count))
+        command += ["--share-out", str(count), "--progress-file", str(progress)]
     processes = [
         subprocess.Popen(
-            command + (["--share-out", str(count), "--index", str(i)] if share_out else []),
+            command + (["--index", str(i)] if share_out else []),
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,

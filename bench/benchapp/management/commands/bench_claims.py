@@ -12,9 +12,18 @@ Every claim decided is one decision: won, or lost to the client that got there f
 
 With ``--share-out N --index I`` the client claims as an instance of an N-instance cluster
 does (the engine's ``share_ranks`` and ``share_index``, which ``Engine._preferred`` uses): of
-each batch it first claims the slots dealt to it, and the rest ``SHARE_LAG`` batches later (the engine's pass
-just before the slot), when their own client has usually decided them and the first look
-finds them taken.
+each batch it first claims the slots dealt to it, and the rest ``SHARE_LAG`` batches later (the engine's
+backup look just before the slot), when their own client has usually decided them and the
+look finds them taken. The batches are the clients' common clock, as the wall clock is the
+instances': a client waits before a new batch while it is more than ``DRIFT`` batches ahead of
+the slowest one (:class:`_Progress`). Without that, the clients drifted apart by more than
+``SHARE_LAG`` (eight processes on two cores; the ones that won the most slots fell behind), and
+the fastest claimed most of the others' shares. As the
+engine takes the backup looks due within ``BACKUP_WINDOW_MS`` of one another in one
+statement, the client takes with each backup look those due within the same share of
+``SHARE_LAG`` (:func:`_look_window`), with room for all of them (an instance with free
+workers). ``backup_won`` counts the slots a backup look won: their own client had not
+claimed them by then.
 
 ``--mode insert``: the reference, a one-row INSERT with a primary-key conflict check on a
 random key, one transaction each, through the same Django connection.
@@ -28,6 +37,7 @@ from __future__ import annotations
 import collections
 import inspect
 import json
+import mmap
 import random
 import sys
 import time
@@ -40,8 +50,37 @@ from django.db import DatabaseError, connection
 
 from django_anarchon import Scheduler, engine, store
 
-# With --share-out: how many batches later a client claims the slots hashed to other clients.
+# With --share-out: how many batches later a client looks at the slots dealt to other clients.
 SHARE_LAG = 50
+# With --share-out: how many batches a client may be ahead of the slowest one (see _Progress).
+DRIFT = 20
+
+
+def _look_window() -> int:
+    """How many batches after a backup look's own the looks taken with it may be due.
+
+    ``SHARE_LAG`` stands for the engine's least gap from a first pass to the backup look
+    (the least first lead, ``BACKUP_AHEAD_MS + BACKUP_WINDOW_MS + 40``, less the backup
+    lead); the window is the same share of it: 16 batches. Engines without it: 0.
+    """
+    window_ms = getattr(engine, "BACKUP_WINDOW_MS", 0)
+    return SHARE_LAG * window_ms // (window_ms + 40)
+
+
+class _Progress:
+    """Each share-out client's batch count, in a file all of them map: their common clock."""
+
+    def __init__(self, path: str, count: int, index: int) -> None:
+        with open(path, "r+b") as file:
+            self._map = mmap.mmap(file.fileno(), 8 * count)
+        self._counts = memoryview(self._map).cast("q")
+        self._index = index
+
+    def publish(self, k: int) -> None:
+        self._counts[self._index] = k
+
+    def slowest(self) -> int:
+        return min(self._counts)
 
 
 def _noop(ctx: Any) -> None:
@@ -66,6 +105,9 @@ class Command(BaseCommand):
         parser.add_argument("--finish", action="store_true", help="also record each won run as ended (success)")
         parser.add_argument("--share-out", type=int, default=0, help="claim as one of this many instances")
         parser.add_argument("--index", type=int, default=0, help="with --share-out: which one (0-based)")
+        parser.add_argument(
+            "--progress-file", default=None, help="with --share-out: 8 bytes per client, zeroed (see _Progress)"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         measure = self._insert if options["mode"] == "insert" else self._decide
@@ -119,6 +161,7 @@ class Command(BaseCommand):
         retry_s = getattr(engine, "BUSY_RETRY_MS", 5) / 1000
         finish_many = getattr(store, "finish_many", None)
         counts = {"decisions": 0, "won": 0, "skipped": 0, "deferred": 0, "busy": 0, "transactions": 0, "errors": 0}
+        counts["backup_won"] = 0
         deadline, counts["late_start_ms"] = self._wait(options)
         cpu_started = time.process_time()
         k = 0
@@ -126,19 +169,35 @@ class Command(BaseCommand):
         others: collections.deque[tuple[int, list[store.Claim]]] = collections.deque()  # (due batch, claims)
         share_out, index = options["share_out"], options["index"]
         mine_first = self._share(jobs, share_out, index)
+        look_window = _look_window()
+        progress = None
+        if mine_first is not None and options["progress_file"]:
+            progress = _Progress(options["progress_file"], share_out, index)
+        counts["drift_waits"] = 0
         while (now := time.time()) < deadline:
+            looking = False
             if retries and retries[0][0] <= now:
                 claims = retries.popleft()[1]
             elif others and others[0][0] <= k:
                 claims = others.popleft()[1]
+                while others and others[0][0] <= k + look_window:
+                    claims = claims + others.popleft()[1]
+                looking = True
+            elif progress is not None and k - progress.slowest() > DRIFT:
+                counts["drift_waits"] += 1
+                time.sleep(0.0002)  # the others' clock is behind: let them catch up
+                continue
             else:
                 first = k * batch
                 slot = base + (first // len(jobs)) * 1000
                 start = first % len(jobs)
                 claims = [store.Claim(job, slot) for job in jobs[start : start + batch]]
                 k += 1
+                if progress is not None:
+                    progress.publish(k)
                 if mine_first is not None:
-                    mine, rest = [], []
+                    mine: list[store.Claim] = []
+                    rest: list[store.Claim] = []
                     for claim in claims:
                         (mine if mine_first(claim.job.name, claim.slot) else rest).append(claim)
                     if rest:
@@ -147,7 +206,8 @@ class Command(BaseCommand):
                         continue
                     claims = mine
             try:
-                outcome = store.decide(claims, owner=owner, instance_id=owner[:8], ttl=30, capacity=batch, **extra)
+                capacity = max(batch, len(claims))
+                outcome = store.decide(claims, owner=owner, instance_id=owner[:8], ttl=30, capacity=capacity, **extra)
                 if options["finish"] and outcome.won:
                     if finish_many is not None:  # what the recorder does for runs that succeeded
                         finish_many([run.id for run in outcome.won], owner=owner)
@@ -165,6 +225,8 @@ class Command(BaseCommand):
             counts["transactions"] += 1 + (1 if options["finish"] and outcome.won else 0)
             counts["decisions"] += len(claims) - len(outcome.deferred) - len(busy)
             counts["won"] += len(outcome.won)
+            if looking:
+                counts["backup_won"] += len(outcome.won)
             counts["skipped"] += len(outcome.skipped)
             counts["deferred"] += len(outcome.deferred)
             counts["busy"] += len(busy)
