@@ -436,9 +436,9 @@ class Engine:
                         now_ms = self.clock.now_ms()
                         if self._heap:
                             wait = min(wait, (self._heap[0][0] - self.claim_ahead_ms - now_ms) / 1000)
-                        for exact in (self._exact, self._backup):
-                            if exact:
-                                wait = min(wait, (exact[0][0] - now_ms) / 1000)
+                        for timed in (self._exact, self._backup):
+                            if timed:
+                                wait = min(wait, (timed[0][0] - now_ms) / 1000)
                     self._end_turn()
                     if wait > 0 and not self._poll_requested:
                         self._wake.wait(wait)
@@ -613,19 +613,21 @@ class Engine:
             return True
         return bool(self._backup) and self._backup[0][0] <= (now_ms if backup_until is None else backup_until)
 
-    def _push(self, at_ms: int, name: str) -> None:
+    def _push_on(self, heap: list[tuple[int, int, str]], at_ms: int, name: str) -> None:
+        """Put job ``name`` on ``heap`` at ``at_ms``, superseding whatever entry it has on any heap."""
         self._entry[name] = entry = next(self._entries)
-        heapq.heappush(self._heap, (at_ms, entry, name))
+        heapq.heappush(heap, (at_ms, entry, name))
+
+    def _push(self, at_ms: int, name: str) -> None:
+        self._push_on(self._heap, at_ms, name)
 
     def _push_exact(self, at_ms: int, name: str) -> None:
         """Look at job ``name`` again at ``at_ms`` itself, not ``claim_ahead_ms`` before it."""
-        self._entry[name] = entry = next(self._entries)
-        heapq.heappush(self._exact, (at_ms, entry, name))
+        self._push_on(self._exact, at_ms, name)
 
     def _push_backup(self, at_ms: int, name: str) -> None:
         """Look at job ``name`` (another instance's share) at ``at_ms``, or with a backup look just before."""
-        self._entry[name] = entry = next(self._entries)
-        heapq.heappush(self._backup, (at_ms, entry, name))
+        self._push_on(self._backup, at_ms, name)
 
     def _decide(
         self,

@@ -161,7 +161,7 @@ class Command(BaseCommand):
         retry_s = getattr(engine, "BUSY_RETRY_MS", 5) / 1000
         finish_many = getattr(store, "finish_many", None)
         counts = {"decisions": 0, "won": 0, "skipped": 0, "deferred": 0, "busy": 0, "transactions": 0, "errors": 0}
-        counts["backup_won"] = 0
+        counts.update(backup_won=0, drift_waits=0)
         deadline, counts["late_start_ms"] = self._wait(options)
         cpu_started = time.process_time()
         k = 0
@@ -173,7 +173,6 @@ class Command(BaseCommand):
         progress = None
         if mine_first is not None and options["progress_file"]:
             progress = _Progress(options["progress_file"], share_out, index)
-        counts["drift_waits"] = 0
         while (now := time.time()) < deadline:
             looking = False
             if retries and retries[0][0] <= now:
@@ -181,7 +180,7 @@ class Command(BaseCommand):
             elif others and others[0][0] <= k:
                 claims = others.popleft()[1]
                 while others and others[0][0] <= k + look_window:
-                    claims = claims + others.popleft()[1]
+                    claims.extend(others.popleft()[1])
                 looking = True
             elif progress is not None and k - progress.slowest() > DRIFT:
                 counts["drift_waits"] += 1
