@@ -10,6 +10,7 @@ from __future__ import annotations
 from .context import Context
 from .exceptions import (
     AnarchonError,
+    AttemptsExhausted,
     DataNotSerializableError,
     DuplicateJobError,
     Interrupted,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AbortSignal",
     "AnarchonError",
+    "AttemptsExhausted",
     "Context",
     "DataNotSerializableError",
     "DuplicateJobError",

@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "DATA": None,
     "MAX_WORKERS": 16,
     "HISTORY_RETENTION": 7 * 86_400.0,
+    "MAX_ATTEMPTS": 10,
 }
 
 
@@ -41,6 +42,7 @@ class AnarchonSettings:
     data: Any
     max_workers: int
     history_retention: float | None
+    max_attempts: int | None = 10
 
     @property
     def renew_every(self) -> float:
@@ -94,12 +96,45 @@ def problems(settings: AnarchonSettings) -> list[str]:
 
 
 def check_json(value: Any, where: str) -> Any:
-    """Raise :class:`DataNotSerializableError` unless ``value`` survives a JSON round trip."""
+    """Raise :class:`DataNotSerializableError` unless ``value`` survives a JSON round trip unchanged.
+
+    Besides what ``json.dumps`` refuses, that rules out what it would silently
+    change (a tuple comes back as a list, the key ``1`` as ``"1"``) and what a
+    database refuses to store (the character NUL, which PostgreSQL's ``jsonb``
+    rejects): the data of a run must be the same on every attempt and instance.
+    """
+    problem = _json_problem(value, "", 0)
+    if problem is not None:
+        raise DataNotSerializableError(where, value, problem)
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as error:
         raise DataNotSerializableError(where, value, error) from None
     return value
+
+
+def _json_problem(value: Any, path: str, depth: int) -> str | None:
+    """What in ``value`` would not come back from JSON as it went in (None: nothing)."""
+    if depth > 200:
+        return None  # json.dumps reports the recursion
+    at = f" at {path}" if path else ""
+    if isinstance(value, str):
+        return f"the string{at} contains the character NUL (\\x00), which databases refuse" if "\x00" in value else None
+    if isinstance(value, tuple):
+        return f"the tuple{at} would come back as a list; pass a list"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"the key {key!r}{at} would come back as the string {json.dumps(str(key))}; use string keys"
+            found = _json_problem(key, path, depth + 1) or _json_problem(item, f"{path}[{key!r}]", depth + 1)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _json_problem(item, f"{path}[{index}]", depth + 1)
+            if found:
+                return found
+    return None
 
 
 def _seconds(key: str, value: Any, *, allow_none: bool = False) -> float | None:
@@ -132,12 +167,17 @@ def parse(raw: Any) -> AnarchonSettings:
     workers = values["MAX_WORKERS"]
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise SettingsError("MAX_WORKERS", f"must be a whole number of at least 1, got {workers!r}")
+    attempts = values["MAX_ATTEMPTS"]
+    if attempts is not None and (isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1):
+        raise SettingsError(
+            "MAX_ATTEMPTS", f"must be a whole number of at least 1, or None for no limit, got {attempts!r}"
+        )
     grace = values["SHUTDOWN_GRACE"]
     # 0 means "do not wait"; a bool is not a duration (False == 0 would slip through).
     zero = not isinstance(grace, bool) and (grace == 0 or grace == timedelta(0))
     shutdown_grace = 0.0 if zero else _seconds("SHUTDOWN_GRACE", grace)
     try:
-        check_json(values["DATA"], "ANARCHON['DATA']")
+        check_json(values["DATA"], "the value")
     except DataNotSerializableError as error:
         raise SettingsError("DATA", str(error)) from None
     return AnarchonSettings(
@@ -148,4 +188,5 @@ def parse(raw: Any) -> AnarchonSettings:
         data=values["DATA"],
         max_workers=workers,
         history_retention=_seconds("HISTORY_RETENTION", values["HISTORY_RETENTION"], allow_none=True),
+        max_attempts=attempts,
     )

@@ -39,7 +39,7 @@ from django.db import DatabaseError, connections
 
 from . import signals, store
 from .conf import AnarchonSettings
-from .exceptions import Interrupted
+from .exceptions import AttemptsExhausted, Interrupted
 from .keeper import Keeper
 from .listener import Listener
 from .models import Run, Status
@@ -63,6 +63,13 @@ PEERS_REFRESH_S = 2.0
 # database clock as estimated here), and a takeover the database refused this long after.
 TAKEOVER_MARGIN_S = 0.005
 TAKEOVER_RETRY_S = 0.05
+# Hourly, each instance stamps its jobs as declared and prunes history. The runs of a job no
+# instance has declared for three such turns are closed (see store.close_undeclared).
+HOUSEKEEPING_EVERY_S = 3600.0
+# The most slots of one job recorded skipped in one turn for want of a free worker; older ones
+# go to catch-up's accounting (a missed count), as after an outage.
+SHED_LIMIT = 100
+UNDECLARED_GRACE_S = 3 * HOUSEKEEPING_EVERY_S
 
 
 def share_ranks(names: Iterable[str]) -> dict[str, int]:
@@ -163,6 +170,8 @@ class Engine:
         self._takeover_at = float("inf")  # time.monotonic() of the next look at a lease about to expire
         self._room_wanted = False  # due slots wait for a worker: wake the loop when a handler returns
         self._waiting_jobs: set[str] = set()
+        self._deferred: dict[str, int] = {}  # job -> a slot it was due at with no free worker here
+        self._short_since: int | None = None  # since when (ms) slots wait for a free worker here
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
@@ -410,6 +419,8 @@ class Engine:
             next_poll = next_house = time.monotonic()
             while not self._stopping.is_set():
                 try:
+                    # Once per connection: a frozen claim holds job locks for about a lease at most.
+                    self._db(store.limit_idle_transactions, self.settings.lease_ttl)
                     self._draw_claim_ahead()
                     self._follow_clock_steps()
                     self.keeper.fence_overdue()
@@ -421,6 +432,8 @@ class Engine:
                     # returns and wakes the loop; other instances may take them meanwhile.
                     room = self.capacity() > 0
                     self._room_wanted = not room
+                    if not room and self._short_since is None:
+                        self._short_since = self.clock.now_ms()
                     if room and self._due(self.clock.now_ms()):
                         self._dispatch_due()
                     mono = time.monotonic()
@@ -453,6 +466,8 @@ class Engine:
         return min(10.0, max(self.settings.lease_ttl / 3, self.settings.poll_interval))
 
     def _startup(self) -> bool:
+        if self._db(store.limit_idle_transactions, self.settings.lease_ttl) is _FAILED:
+            return False
         if self._db(store.ensure_jobs, self.jobs.values()) is _FAILED:
             return False
         if self._db(store.register_instance, self.token, self.instance_id, self.host, self.pid) is _FAILED:
@@ -554,6 +569,26 @@ class Engine:
                 continue  # superseded by a later push
             job = self.jobs[name]
             slot = self._next_slot[name]
+            if self._deferred.pop(name, None) == slot or (
+                self._short_since is not None and self._short_since <= slot < horizon - self.grace_ms
+            ):
+                # Due while this instance had no free worker: not missed by the cluster
+                # (catch-up), but owed. While the job's next slot has not come it is
+                # claimed late, as scheduled; slots overtaken by a newer one are recorded
+                # skipped (unless another instance ran them).
+                following = job.schedule.next_after(slot)
+                for _ in range(SHED_LIMIT):
+                    if following > now:
+                        break
+                    claims.append(store.Claim(job, slot, shed=True))
+                    slot, following = following, job.schedule.next_after(following)
+                if following > now:
+                    claims.append(store.Claim(job, slot))
+                    previous[name] = slot
+                    self._next_slot[name] = following
+                    self._push(following, name)
+                    continue
+                self._next_slot[name] = slot
             plan = plan_due(job.schedule, slot, horizon, self.grace_ms)
             if plan.catch_up_until is not None:
                 catch_ups.append(store.CatchUp(job, plan.catch_up_until))
@@ -573,6 +608,8 @@ class Engine:
             self._next_slot[name] = plan.next_slot
             self._push(plan.next_slot, name)
         outcome = self._decide(claims, catch_ups, skip_locked=True, now_ms=now)
+        if outcome is not _FAILED and not outcome.deferred:
+            self._short_since = None  # every due slot had a worker (or another instance)
         if outcome is _FAILED:
             retry = now + max(int(self._backoff * 1000), 50)
             for name, slot in previous.items():
@@ -595,7 +632,9 @@ class Engine:
             # No room for these here: they stay due and are retried as soon as a handler returns.
             self._room_wanted = True
             for claim in outcome.deferred:
-                self._reschedule(claim.job.name, min(claim.slot, previous.get(claim.job.name, claim.slot)), now)
+                slot = min(claim.slot, previous.get(claim.job.name, claim.slot))
+                self._deferred[claim.job.name] = slot
+                self._reschedule(claim.job.name, slot, now)
 
     def _reschedule(self, name: str, slot: int, at_ms: int) -> None:
         """Try ``slot`` of job ``name`` again at ``at_ms`` (it was not decided)."""
@@ -724,41 +763,34 @@ class Engine:
         ``LEASE_TTL`` after its last renewal, not up to a poll later.
         """
         self._takeover_at = float("inf")
-        rows = self._db(store.poll, expiring_within=self.settings.poll_interval)
-        if rows is _FAILED:
+        found = self._db(store.poll, expiring_within=self.settings.poll_interval)
+        if found is _FAILED:
             return
-        waiting: set[str] = set()
-        pending: list[Run] = []
-        for row in rows:
+        for row in found.expiring:
             if row.job not in self.jobs:
-                if row.job not in self._warned:
-                    self._warned.add(row.job)
-                    logger.warning(
-                        "Run %s of job %r waits, but this instance does not declare that job",
-                        row.id,
-                        row.job,
-                        extra={"job": row.job, "instance": self.instance_id},
-                    )
+                self._warn_undeclared(row.job)
                 continue
-            if row.status == Status.RUNNING:
-                expires = row.lease_expires_at.timestamp() if row.lease_expires_at else 0.0
-                left_s = expires - self.clock.now_ms() / 1000
-                if left_s > 0:  # not expired yet by this estimate of the database clock
-                    again_s = left_s + TAKEOVER_MARGIN_S
-                elif not self._take_over(row):  # not by the database's own: the estimate was early
-                    again_s = TAKEOVER_RETRY_S
-                else:
-                    continue
-                self._takeover_at = min(self._takeover_at, time.monotonic() + again_s)
+            expires = row.lease_expires_at.timestamp() if row.lease_expires_at else 0.0
+            left_s = expires - self.clock.now_ms() / 1000
+            if left_s > 0:  # not expired yet by this estimate of the database clock
+                again_s = left_s + TAKEOVER_MARGIN_S
+            elif not self._take_over(row):  # not by the database's own: the estimate was early
+                again_s = TAKEOVER_RETRY_S
             else:
-                waiting.add(row.job)
-                pending.append(row)
+                continue
+            self._takeover_at = min(self._takeover_at, time.monotonic() + again_s)
+        waiting = set()
+        for name in found.pending_jobs:
+            if name in self.jobs:
+                waiting.add(name)
+            else:
+                self._warn_undeclared(name)
         self._waiting_jobs = waiting
-        if pending and self.capacity() > 0:
+        if waiting and self.capacity() > 0:
             sent = time.monotonic()
             outcome = self._db(
                 store.claim_pending,
-                pending,
+                waiting,
                 self.jobs,
                 owner=self.token,
                 instance_id=self.instance_id,
@@ -767,6 +799,15 @@ class Engine:
             )
             if outcome is not _FAILED:
                 self._handle(outcome, sent)
+
+    def _warn_undeclared(self, name: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            logger.warning(
+                "Runs of job %r wait, but this instance does not declare that job",
+                name,
+                extra={"job": name, "instance": self.instance_id},
+            )
 
     def _take_over(self, row: Run) -> bool:
         """Try to take over ``row``, whose lease looks expired; whether this instance did."""
@@ -780,10 +821,22 @@ class Engine:
             instance_id=self.instance_id,
             ttl=self.settings.lease_ttl,
             start=start,
+            max_attempts=self.settings.max_attempts,
         )
         if result is _FAILED or result is None:
             return False
         old, new = result
+        self.keeper.lose_local(old.id, "its lease expired and another attempt started")
+        if new is None:
+            logger.error(
+                "Gave up %s slot=%s: %s",
+                old.job,
+                old.slot,
+                old.error_message,
+                extra={"job": old.job, "slot": old.slot, "attempt": old.attempt, "instance": self.instance_id},
+            )
+            signals.send(signals.run_failed, run=old, exception=AttemptsExhausted(old.error_message))
+            return True
         logger.warning(
             "Took over %s slot=%s: attempt %d on %s stopped renewing its lease; attempt %d %s",
             old.job,
@@ -794,7 +847,6 @@ class Engine:
             "starts here" if start else "is pending",
             extra={"job": old.job, "slot": old.slot},
         )
-        self.keeper.lose_local(old.id, "its lease expired and another attempt started")
         signals.send(signals.run_interrupted, run=old, exception=None)
         if new.status == Status.RUNNING:
             self.adopt(new, sent)
@@ -808,7 +860,19 @@ class Engine:
             deleted = self._db(store.prune, self.settings.history_retention)
             if deleted not in (_FAILED, 0):
                 logger.info("Pruned %d old run(s)", deleted, extra={"instance": self.instance_id})
-            self._next_prune = now + 3600
+            if self._next_prune:  # not at start, where ensure_jobs() has just run
+                self._db(store.ensure_jobs, self.jobs.values())
+            closed = self._db(store.close_undeclared, UNDECLARED_GRACE_S)
+            if closed is not _FAILED:
+                for name, count in sorted(closed.items()):
+                    logger.warning(
+                        "Closed %d waiting run(s) of job %r: no running instance has declared it for %g hours",
+                        count,
+                        name,
+                        UNDECLARED_GRACE_S / 3600,
+                        extra={"job": name, "instance": self.instance_id},
+                    )
+            self._next_prune = now + HOUSEKEEPING_EVERY_S
 
 
 __all__ = ["Clock", "DuePlan", "Engine", "plan_due"]

@@ -52,7 +52,7 @@ class UnknownJobError(AnarchonError, LookupError):
 class DataNotSerializableError(AnarchonError, TypeError):
     """Run data (or saved progress) could not be stored as JSON."""
 
-    def __init__(self, where: str, value: Any, error: Exception) -> None:
+    def __init__(self, where: str, value: Any, error: Exception | str) -> None:
         self.value = value
         shown = repr(value)
         if len(shown) > 200:
@@ -70,6 +70,16 @@ class SettingsError(AnarchonError, ValueError):
         self.key = key
         where = f"ANARCHON[{key!r}]: " if key is not None else "ANARCHON: "
         super().__init__(f"{where}{problem}")
+
+
+class AttemptsExhausted(AnarchonError, RuntimeError):
+    """A run was interrupted on its last allowed attempt (``MAX_ATTEMPTS``) and recorded failed.
+
+    Sent as the ``exception`` of ``run_failed`` for such a run; never raised.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
 
 
 class Interrupted(BaseException):

@@ -118,7 +118,7 @@ class Keeper:
             for active in self.engine.active_runs():
                 if active.state == "running":
                     candidates.append(active.renewed_at + self.engine.settings.fence_after - now)
-                    if active.deadline is not None:
+                    if active.deadline is not None and active.overran():
                         candidates.append(active.deadline - now)
             self.watch_wake.wait(max(0.005, min(candidates)))
             self.watch_wake.clear()
@@ -154,8 +154,19 @@ class Keeper:
                     )
 
     def _time_out_overdue(self, now: float) -> None:
+        """End the runs whose handler was still running at its deadline, and only those.
+
+        Not a handler that returned before its deadline (its ending may wait a
+        moment behind a burst of starts), nor one that ``stop()`` aborted first
+        (its grace period decides: it is handed over).
+        """
         for active in self.engine.active_runs():
-            if active.deadline is not None and now >= active.deadline and active.state == "running":
+            if (
+                active.deadline is not None
+                and now >= active.deadline
+                and active.state == "running"
+                and active.overran()
+            ):
                 if active.begin_finish():
                     error = timeout_error(active)
                     active.abort("timeout", error)

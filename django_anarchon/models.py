@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.db import models
+from django.db import models, router
 from django.utils.translation import gettext_lazy as _
+
+from .dbtime import DbNow
 
 
 class Status(models.TextChoices):
@@ -37,10 +39,16 @@ class Reason(models.TextChoices):
     TAKEOVER = "takeover", _("takeover")
 
 
+# A run that holds its job (overlap): running, or handed over and waiting for its next attempt.
+# The one definition of an "active" run; the partial index anarchon_run_active is built on it,
+# and the claim function (store/sql/claim_v*.sql) asks the same of the index.
+ACTIVE = models.Q(status=Status.RUNNING) | models.Q(status=Status.PENDING, attempt__gt=1)
+
+
 class RunQuerySet(models.QuerySet["Run"]):
     def active(self) -> RunQuerySet:
         """Runs that hold their job: running, or handed over and waiting for the next attempt."""
-        return self.filter(models.Q(status=Status.RUNNING) | models.Q(status=Status.PENDING, attempt__gt=1))
+        return self.filter(ACTIVE)
 
     def finished(self) -> RunQuerySet:
         return self.filter(status__in=FINAL_STATUSES)
@@ -76,9 +84,15 @@ class Run(models.Model):
         verbose_name = _("run")
         verbose_name_plural = _("runs")
         constraints = [
-            models.UniqueConstraint(fields=["job", "slot", "attempt"], name="anarchon_one_winner_per_attempt"),
+            # Manual runs have a slot space of their own: run_now() at the very millisecond
+            # of a scheduled slot must not take that slot's row.
+            models.UniqueConstraint(
+                fields=["job", "slot", "attempt", "manual"], name="anarchon_one_winner_per_attempt"
+            ),
         ]
+        permissions = [("cancel_run", _("Can cancel a pending run"))]
         indexes = [
+            models.Index(fields=["job"], condition=ACTIVE, name="anarchon_run_active"),
             models.Index(fields=["status", "lease_expires_at"], name="anarchon_run_status_lease"),
             models.Index(fields=["job", "status"], name="anarchon_run_job_status"),
             models.Index(fields=["scheduled_at"], name="anarchon_run_scheduled"),
@@ -87,6 +101,11 @@ class Run(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job} @ {self.scheduled_at:%Y-%m-%d %H:%M:%S} #{self.attempt} ({self.status})"
+
+    @property
+    def is_active(self) -> bool:
+        """Whether this run holds its job (see :data:`ACTIVE`)."""
+        return self.status == Status.RUNNING or (self.status == Status.PENDING and self.attempt > 1)
 
     @property
     def duration(self) -> timedelta | None:
@@ -113,6 +132,9 @@ class JobState(models.Model):
     # The newest scheduled (not manual) slot among the runs that history pruning
     # deleted: catch-up counts from it when no run of the job is left on record.
     pruned_slot = models.BigIntegerField(null=True, blank=True, editable=False)
+    # When a running instance last said it declares the job (at start, then hourly): the
+    # pending and running rows of a job no instance has declared for a while are closed.
+    declared_at = models.DateTimeField(_("last declared"), null=True, blank=True)
 
     class Meta:
         verbose_name = _("job")
@@ -134,8 +156,6 @@ class JobState(models.Model):
         first, so no scheduled or catch-up slot decided after it commits runs
         (manual runs still do).
         """
-        from .store import DbNow
-
         return self._transition(paused=False, values={"paused": True, "pause_note": note, "paused_at": DbNow()})
 
     def resume(self) -> bool:
@@ -145,14 +165,10 @@ class JobState(models.Model):
         slots that fell in the paused period are never run afterwards. The
         note and ``paused_at`` stay as the record of the last pause.
         """
-        from .store import DbNow
-
         return self._transition(paused=True, values={"paused": False, "resumed_at": DbNow()})
 
     def _transition(self, *, paused: bool, values: dict[str, object]) -> bool:
-        from .store import alias
-
-        db = self._state.db or alias()
+        db = self._state.db or router.db_for_write(JobState)
         won = bool(JobState.objects.using(db).filter(pk=self.pk, paused=paused).update(**values))
         # Read back what the database holds: ours if we won, else the concurrent winner's.
         try:

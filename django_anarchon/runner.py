@@ -21,6 +21,7 @@ from django.db import connections
 from . import signals, store
 from .conf import check_json
 from .context import Context
+from .exceptions import AttemptsExhausted
 from .models import Reason, Run, Status
 from .recorder import HAND_OVER, Outcome
 from .registry import Job
@@ -43,6 +44,13 @@ MAX_TRACEBACK = 100_000
 ENDING_DEFER_S = 0.05
 
 RUNNING, FINISHING, DONE = "running", "finishing", "done"
+# An attempt's cause of ending, as log lines say it ("Run ended after it was timed out").
+CAUSE_WORDS = {
+    "stop": "stopped",
+    "timeout": "timed out",
+    "lost": "lost",
+    "fenced": "fenced",
+}
 
 
 class ActiveRun:
@@ -61,6 +69,7 @@ class ActiveRun:
         self.started = time.monotonic()
         self.deadline: float | None = None  # set when the handler starts (a run may be claimed ahead)
         self.returned = False  # the handler is over (or never started): no longer uses a worker
+        self.returned_at: float | None = None  # monotonic time it did
         self.cause: str | None = None
         self.finished = threading.Event()  # set when its worker is done with it
         self._state = RUNNING
@@ -84,6 +93,12 @@ class ActiveRun:
     def done(self) -> None:
         with self._lock:
             self._state = DONE
+
+    def overran(self) -> bool:
+        """Whether the handler was still running when its timeout passed (decided by what came first)."""
+        if self.deadline is None or self.cause == "stop":
+            return False  # no timeout, or stop() came first: stopping decides, not the timeout
+        return self.returned_at is None or self.returned_at >= self.deadline
 
     def abort(self, cause: str, reason: BaseException) -> None:
         """Abort the signal, remembering why (the first cause wins, like the signal's reason)."""
@@ -350,8 +365,19 @@ class Runner:
                     starting = False
                     self.starting.begun()
                     self._returned(active)
-                    self._complete(active, active.signal.reason)
+                    self._complete(active, active.signal.reason, started=False)
                     return False
+            # The last moment before the handler: a run whose lease this instance may
+            # no longer hold (the process was frozen while the run waited for its slot,
+            # and another instance has taken it over) is fenced here, and a run already
+            # lost, fenced or stopped is never started and sends no run_started.
+            self.engine.keeper.fence_overdue()
+            if active.state != RUNNING or active.signal.aborted:
+                starting = False
+                self.starting.begun()
+                self._returned(active)
+                self._complete(active, active.signal.reason, started=False)
+                return False
             active.started = time.monotonic()
             if active.job.timeout_ms:
                 active.deadline = active.started + active.job.timeout_ms / 1000
@@ -411,6 +437,7 @@ class Runner:
         Its end may still be waiting to be recorded (see ``recorder.COLLECT_S``);
         the lease stays renewed until it is.
         """
+        active.returned_at = time.monotonic()
         active.returned = True
         self.engine.handler_returned()
 
@@ -463,13 +490,22 @@ class Runner:
             return error
         return None
 
-    def _complete(self, active: ActiveRun, error: BaseException | None) -> None:
+    def _complete(self, active: ActiveRun, error: BaseException | None, *, started: bool = True) -> None:
         if not active.begin_finish():
-            self._log_end(active, f"ended after it was {active.cause or 'ended'}", after="; its end changes nothing")
+            if started:
+                what = f"ended after it was {CAUSE_WORDS.get(active.cause or '', 'ended')}"
+                self._log_end(active, what, after="; its end changes nothing")
+            else:
+                what = f"not started: it was {CAUSE_WORDS.get(active.cause or '', 'ended')} before its slot"
+                self._log_end(active, what, level=logging.WARNING)
             return
         try:
             if error is not None and active.signal.aborted and active.cause == "stop":
                 self.hand_over(active, error)
+            elif error is None and active.overran():
+                # It returned after its deadline, before the watchdog came round: what
+                # happened first decides, and the timeout did.
+                self.record(active, Status.FAILED, timeout_error(active))
             elif error is None:
                 self.record(active, Status.SUCCESS, None)
             else:
@@ -509,6 +545,10 @@ class Runner:
             return
         old, new = pair
         active.run = old
+        if new is None:
+            self._log_end(active, level=logging.ERROR)
+            signals.send(signals.run_failed, run=old, exception=AttemptsExhausted(old.error_message))
+            return
         self._log_end(active)
         logger.info(
             "Handed over %s slot=%s: attempt %d is pending for another instance",

@@ -99,9 +99,7 @@ class Scheduler(Declarations):
         from . import store
 
         job = self.job(name)
-        return store.create_manual(
-            job.name, self._run_data(job, data), slot=int(time.time() * 1000), schedule=job.schedule.describe()
-        )
+        return store.create_manual(job.name, self._run_data(job, data), schedule=job.schedule.describe())
 
     async def arun_now(self, name: str, data: Any = None) -> Run:
         """The async twin of :meth:`run_now`."""

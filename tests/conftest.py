@@ -84,6 +84,37 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1
         time.sleep(interval)
 
 
+@pytest.fixture
+def sched() -> Iterator[Any]:
+    """A scheduler of its own for the test (not the default one), stopped at the end."""
+    from django_anarchon import Scheduler
+
+    scheduler = Scheduler()
+    yield scheduler
+    scheduler.stop(timeout=2)
+
+
+def start(scheduler: Any, instance_id: str = "engine-test") -> None:
+    """Start an embedded scheduler and wait until its start-up (catch-up included) is done."""
+    scheduler.start(instance_id=instance_id)
+    assert scheduler.wait_started(10)
+
+
+def finished(job: str, n: int = 1, timeout: float = 8) -> list[Any]:
+    """Wait for ``n`` runs of ``job`` that have ended (any status but running and pending), oldest first."""
+    from django_anarchon.models import Run
+
+    return wait_for(
+        lambda: (
+            (rows := list(Run.objects.filter(job=job).exclude(status__in=["running", "pending"]).order_by("slot")))
+            and len(rows) >= n
+            and rows
+        ),
+        timeout,
+        what=f"{n} finished run(s) of {job}",
+    )
+
+
 class Instance:
     """One `manage.py anarchon` child process."""
 

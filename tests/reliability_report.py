@@ -129,6 +129,39 @@ ROWS: list[tuple[str, str, str, Any]] = [
             f"steps lost or repeated {f['steps_lost_or_repeated']}"
         ),
     ),
+    (
+        "Unstorable error",
+        "a handler raises a message with NUL and a lone surrogate every second beside another job, 2 instances, 8 s",
+        "unstorable_message",
+        lambda f: (
+            f"{f['recorded_failed']} of {f['slots']} slots recorded failed with the message escaped; "
+            f"the other job's runs held up {f['stalled']}"
+        ),
+    ),
+    (
+        "Catch-up beyond workers",
+        "5 jobs, MAX_WORKERS = 2, the whole cluster down over their slots, one instance back",
+        "catch_up_beyond_workers",
+        lambda f: (
+            f"{f['caught_up']} of {f['jobs']} jobs caught up ({f['waited_for_a_worker']} waited as pending runs "
+            "for a free worker); none dropped"
+        ),
+    ),
+    (
+        "Crash behind a backlog",
+        "300 pending runs of a job no instance declares, then SIGKILL the runner of another job",
+        "takeover_behind_backlog",
+        lambda f: f"taken over {f['takeover_after_sigkill_s']} s after SIGKILL (LEASE_TTL 2.0 s + POLL 0.2 s)",
+    ),
+    (
+        "Frozen before its slot",
+        "SIGSTOP an instance after it claimed a slot ahead, before the slot; SIGCONT after the takeover",
+        "frozen_before_slot",
+        lambda f: (
+            f"frozen {f['frozen_before_slot_ms']} ms before the slot; attempt 1 started {f['attempt_1_started']} "
+            f"times, the takeover attempt {f['attempt_2_started']}"
+        ),
+    ),
 ]
 
 

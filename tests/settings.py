@@ -73,6 +73,7 @@ ANARCHON = {
     "LEASE_TTL": env.float("ANARCHON_LEASE_TTL", default=2.0),
     "POLL_INTERVAL": env.float("ANARCHON_POLL_INTERVAL", default=0.2),
     "SHUTDOWN_GRACE": env.float("ANARCHON_SHUTDOWN_GRACE", default=5.0),
+    "MAX_WORKERS": env.int("ANARCHON_MAX_WORKERS", default=16),
 }
 LOGGING = {
     "version": 1,

@@ -34,6 +34,7 @@ def test_defaults() -> None:
             data=None,
             max_workers=16,
             history_retention=7 * 86_400.0,
+            max_attempts=10,
         )
         assert problems(parsed) == []
     assert set(DEFAULTS) == {
@@ -44,6 +45,7 @@ def test_defaults() -> None:
         "DATA",
         "MAX_WORKERS",
         "HISTORY_RETENTION",
+        "MAX_ATTEMPTS",
     }
 
 

@@ -21,33 +21,9 @@ from django.utils import timezone
 
 from django_anarchon import Context, Interrupted, Scheduler, signals, store
 from django_anarchon.models import Instance, JobState, Run
-from tests.conftest import ON_DEMAND, wait_for
+from tests.conftest import ON_DEMAND, finished, start, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def sched() -> Iterator[Scheduler]:
-    scheduler = Scheduler()
-    yield scheduler
-    scheduler.stop(timeout=2)
-
-
-def start(scheduler: Scheduler) -> None:
-    scheduler.start(instance_id="engine-test")
-    assert scheduler.wait_started(10)
-
-
-def finished(job: str, n: int = 1, timeout: float = 8) -> list[Run]:
-    return wait_for(
-        lambda: (
-            (rows := list(Run.objects.filter(job=job).exclude(status__in=["running", "pending"]).order_by("slot")))
-            and len(rows) >= n
-            and rows
-        ),
-        timeout,
-        what=f"{n} finished run(s) of {job}",
-    )
 
 
 class Received:
@@ -490,7 +466,9 @@ def test_a_lease_seen_about_to_expire_is_taken_over_when_it_expires_not_a_poll_l
         sched.run_now("orphan")
         # Claimed by an instance that then died: a lease of 1 s that nobody renews.
         jobs = {"orphan": sched.job("orphan")}
-        [dead] = store.claim_pending(store.poll(), jobs, owner="dead", instance_id="dead", ttl=1.0, capacity=1).won
+        [dead] = store.claim_pending(
+            store.poll().pending_jobs, jobs, owner="dead", instance_id="dead", ttl=1.0, capacity=1
+        ).won
         # The first poll comes at once, before the lease expires; the next would come 2 s later.
         start(sched)
         second = wait_for(lambda: Run.objects.filter(job="orphan", attempt=2).first(), 10, what="the takeover")
@@ -735,3 +713,83 @@ def test_the_share_of_a_live_instance_that_never_claims_is_claimed_just_before_t
         assert theirs and mine, f"slot {slot}: both shares were claimed ({leads})"
         assert max(theirs) <= 30, "the ghost's share waits for the backup lead (BACKUP_AHEAD_MS)"
         assert min(mine) >= max(theirs), "this instance's own share is claimed first"
+
+
+def test_catch_up_beyond_max_workers_runs_every_job_owed_a_slot(sched: Scheduler) -> None:
+    """Five jobs missed their slots while the cluster was down; two workers: all five still catch up."""
+    ran: list[str] = []
+    for n in range(5):
+        sched.every(f"c{n}", "10s", lambda ctx: (ran.append(ctx.name), time.sleep(0.3)))
+    # Each job ran 40 s ago, then the cluster was down.
+    base = (int(time.time()) // 10 - 4) * 10_000
+    for job in sched.jobs:
+        [run] = store.decide([store.Claim(job, base)], owner="gone", instance_id="gone", ttl=30, capacity=5).won
+        store.finish(run.id, owner="gone", status="success")
+    with override_settings(ANARCHON={"LEASE_TTL": 2.0, "POLL_INTERVAL": 0.2, "MAX_WORKERS": 2}):
+        start(sched)
+        caught = wait_for(
+            lambda: (rows := list(Run.objects.filter(reason="catch-up", status="success"))) and len(rows) >= 5 and rows,
+            10,
+            what="five catch-up runs",
+        )
+    assert sorted(r.job for r in caught) == [f"c{n}" for n in range(5)]
+
+
+def test_a_handler_that_returns_before_its_timeout_while_starts_are_pending_succeeds(sched: Scheduler) -> None:
+    """Its ending waits behind a burst of starts past the deadline: what came first decides, and the return did."""
+
+    def just_in_time(ctx: Context) -> None:
+        time.sleep(0.25)
+        engine = sched._engine
+        assert engine is not None
+        engine.runner.starting.add()  # a run of a burst, not started yet: the ending waits for it
+        threading.Timer(0.3, engine.runner.starting.begun).start()
+
+    sched.every("on-time", ON_DEMAND, just_in_time, timeout="300ms")
+    start(sched)
+    sched.run_now("on-time")
+    [run] = finished("on-time")
+    assert (run.status, run.error_type) == ("success", "")
+
+
+def test_a_timeout_that_passes_after_stop_leaves_the_run_to_be_handed_over(sched: Scheduler) -> None:
+    """stop() came first: the handler's grace decides (it raises: handed over), not the timeout."""
+    started = threading.Event()
+
+    def slow_to_notice(ctx: Context) -> None:
+        started.set()
+        time.sleep(1.0)  # ignores its signal for a while, past its timeout
+        ctx.signal.throw_if_aborted()
+
+    sched.every("slow", ON_DEMAND, slow_to_notice, timeout="500ms")
+    start(sched)
+    sched.run_now("slow")
+    assert started.wait(5)
+    assert sched.stop(timeout=3) is True
+    first = Run.objects.get(job="slow", attempt=1)
+    assert (first.status, first.error_type) == ("interrupted", "")
+    assert Run.objects.get(job="slow", attempt=2).status == "pending"
+
+
+def test_with_too_few_workers_every_slot_runs_late_or_is_recorded_skipped(sched: Scheduler) -> None:
+    """One worker, three jobs of 0.4 s every second: slots wait for the worker, run late, or are shed with a record."""
+    for n in range(3):
+        sched.every(f"busy{n}", "1s", lambda ctx: time.sleep(0.4))
+    with override_settings(ANARCHON={"LEASE_TTL": 2.0, "POLL_INTERVAL": 0.2, "MAX_WORKERS": 1}):
+        start(sched)
+        began = time.time()
+        time.sleep(5)
+        end = time.time()
+        sched.stop(timeout=2)
+    window = range((int(began) + 1) * 1000, (int(end) - 1) * 1000, 1000)
+    rows = {(r.job, r.slot): r for r in Run.objects.filter(attempt=1, slot__in=list(window))}
+    missing = [(f"busy{n}", s) for n in range(3) for s in window if (f"busy{n}", s) not in rows]
+    assert not missing, f"slots with no record at all: {missing}"
+    statuses = {r.status for r in rows.values()}
+    assert statuses <= {"success", "skipped", "interrupted"}, [
+        (r.job, r.slot, r.status, r.reason, r.detail) for r in rows.values() if r.status == "pending"
+    ]
+    shed = [r for r in rows.values() if r.status == "skipped"]
+    assert all("free worker" in r.detail or "still running" in r.detail for r in shed), [r.detail for r in shed]
+    late = [r for r in rows.values() if r.status == "success" and (r.started_at - r.scheduled_at).total_seconds() > 0.5]
+    assert late, "a slot that waited for the worker ran late, as scheduled"

@@ -631,3 +631,145 @@ def test_events_helper_reads_lines_cut_by_sigkill(tmp_path: Path) -> None:
             ],
             {},
         )
+
+
+# -- edges: what an adversarial review found -------------------------------------------------
+
+
+def test_an_unstorable_error_message_stalls_nothing(cluster: Cluster, events: Path) -> None:
+    """A handler's message holding NUL (PostgreSQL refuses it) and a lone surrogate (no driver encodes it)."""
+    message = "remote answered: ok\x00\x00 \ud800"
+    cluster.jobs = [
+        {"name": "unstorable", "every": "1s", "kind": "fail", "message": message, "overlap": "allow"},
+        {"name": "tick", "every": "1s", "kind": "record"},
+    ]
+    env = {"ANARCHON_TEST_EVENTS": str(events)}
+    nodes = [cluster.start(f"u{i}", extra_env=env) for i in range(2)]
+    cluster.wait_ready(*nodes)
+    begin = time.time()
+    time.sleep(8)
+    end = time.time()
+    assert stop_all(cluster, nodes) == [0, 0], cluster.logs()
+    window = range((int(begin) + 2) * 1000, (int(end) - 1) * 1000, 1000)
+    runs = {(r.job, r.slot): r for r in Run.objects.filter(attempt=1, slot__in=list(window))}
+    failed = [runs.get(("unstorable", s)) for s in window]
+    assert all(r is not None and r.status == "failed" for r in failed), list(zip(window, failed, strict=True))
+    assert {r.error_message for r in failed} == {"remote answered: ok\\x00\\x00 \\ud800"}  # type: ignore[union-attr]
+    ticks = [runs.get(("tick", s)) for s in window]
+    assert all(r is not None and r.status == "success" for r in ticks), "the other job's runs were held up"
+    assert not Run.objects.filter(status="running").exists()
+    report("unstorable_message", {"slots": len(window), "recorded_failed": len(failed), "stalled": 0})
+
+
+def test_catch_up_beyond_max_workers_runs_every_job_owed_a_slot_after_an_outage(cluster: Cluster) -> None:
+    jobs = [f"w{n}" for n in range(5)]
+    cluster.settings["MAX_WORKERS"] = 2
+    cluster.jobs = [{"name": name, "every": "2s", "kind": "sleep", "seconds": 0.3} for name in jobs]
+    first = cluster.start("before")
+    cluster.wait_ready(first)
+    wait_for(
+        lambda: set(Run.objects.filter(status="success").values_list("job", flat=True)) == set(jobs),
+        15,
+        what="a run of every job",
+    )
+    # Stop between slots, once the five runs of one have ended (two at a time: ~0.9 s) and
+    # before the next is claimed ahead: a run handed over at the stop would be a takeover.
+    time.sleep((2000 - (time.time() * 1000) % 2000 + 1200) / 1000)
+    first.signal(signal.SIGTERM)
+    assert first.wait(30) == 0
+    down = time.time()
+    time.sleep(5)  # the whole cluster is down over two or three slots of every job
+    back = cluster.start("after")
+    cluster.wait_ready(back)
+    caught = wait_for(
+        lambda: (rows := list(Run.objects.filter(reason="catch-up", status="success"))) and len(rows) >= 5 and rows,
+        20,
+        what="a catch-up run of every job",
+    )
+    assert sorted(r.job for r in caught) == jobs, "every job's latest missed slot ran"
+    for run in caught:
+        assert down * 1000 < run.slot < time.time() * 1000
+    assert not Run.objects.filter(attempt__gt=1).exists(), "nothing was handed over: every run is a catch-up"
+    pending_waits = Run.objects.filter(reason="catch-up").exclude(detail="").count()
+    back.signal(signal.SIGTERM)
+    assert back.wait(30) == 0
+    report(
+        "catch_up_beyond_workers",
+        {"jobs": 5, "max_workers": 2, "caught_up": len(caught), "waited_for_a_worker": pending_waits},
+    )
+
+
+def test_a_backlog_of_pending_runs_never_hides_a_crashed_runner_from_takeover(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "victim", "every": ON_DEMAND, "kind": "sleep", "seconds": 60}]
+    nodes = {name: cluster.start(name) for name in ("b1", "b2")}
+    cluster.wait_ready(*nodes.values())
+    # 300 pending runs older than the victim's: a job no instance declares any more
+    # (the same holds for run_now calls queued behind a long job, or catch-up after an outage).
+    oldest = int(time.time() * 1000) - 600_000
+    Run.objects.bulk_create(
+        Run(job="ghost", slot=oldest + n, attempt=1, status="pending", reason="manual", manual=True,
+            scheduled_at=store.slot_datetime(oldest + n))
+        for n in range(300)
+    )  # fmt: skip
+    run = request_run("victim")
+    holder = wait_for(lambda: Run.objects.filter(pk=run.pk, status="running").first(), 10, what="the victim's run")
+    victim = nodes[holder.instance_id]
+    killed = time.time()
+    victim.signal(signal.SIGKILL)
+    victim.wait(10)
+    second = wait_for(
+        lambda: Run.objects.filter(job="victim", slot=run.slot, attempt=2).first(), TTL + 10, what="the takeover"
+    )
+    took = second.created_at.timestamp() - killed
+    assert took <= TTL + POLL + 0.5, f"taken over {took:.2f}s after SIGKILL behind a backlog of 300 pending runs"
+    assert Run.objects.filter(job="ghost", status="pending").count() == 300, "the backlog is left as it is"
+    report("takeover_behind_backlog", {"pending_backlog": 300, "takeover_after_sigkill_s": round(took, 2)})
+
+
+def test_a_run_frozen_just_before_its_slot_and_taken_over_never_starts_its_handler(
+    cluster: Cluster, events: Path
+) -> None:
+    """SIGSTOP an instance after it claimed a slot ahead of time, before the slot: on SIGCONT it must not start it."""
+    cluster.jobs = [{"name": "x", "every": "3s", "kind": "record"}]
+    env = {"ANARCHON_TEST_EVENTS": str(events)}
+    nodes = {name: cluster.start(name, extra_env=env) for name in ("z1", "z2")}
+    cluster.wait_ready(*nodes.values())
+    frozen: Instance | None = None
+    slot = 0
+    for _ in range(6):
+        slot = (int(time.time() * 1000) // 3000 + 1) * 3000
+        if slot - time.time() * 1000 < 600:
+            continue
+        time.sleep(max(0.0, (slot - 450) / 1000 - time.time()))
+        while time.time() * 1000 < slot - 15:
+            row = Run.objects.filter(job="x", slot=slot, attempt=1).first()
+            if row is not None:
+                if time.time() * 1000 < slot - 15:
+                    frozen = nodes[row.instance_id]
+                    frozen.signal(signal.SIGSTOP)
+                break
+            time.sleep(0.002)
+        if frozen is not None:
+            break
+        time.sleep(1)
+    assert frozen is not None, "never caught a slot claimed ahead of time before it was due"
+    frozen_at = time.time()
+    try:
+        second = wait_for(
+            lambda: Run.objects.filter(job="x", slot=slot, attempt=2).first(), TTL + 10, what="the takeover"
+        )
+    finally:
+        frozen.signal(signal.SIGCONT)
+    time.sleep(1.5)
+    log = read_events(events)
+    starts = [e for e in log if e["job"] == "x" and e["slot"] == slot and e["event"] == "start"]
+    assert [e["attempt"] for e in starts] == [2], f"handler starts of the frozen slot: {starts}"
+    output = frozen.output()
+    assert "not started" in output and f"x slot={slot} attempt=1" in output, output[-3000:]
+    assert f"Run started: x slot={slot} attempt=1" not in output
+    assert_no_attempt_ran_twice(log)
+    assert second.reason == "takeover"
+    report(
+        "frozen_before_slot",
+        {"frozen_before_slot_ms": round(slot - frozen_at * 1000), "attempt_1_started": 0, "attempt_2_started": 1},
+    )

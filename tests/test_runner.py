@@ -12,8 +12,8 @@ from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
+from django_anarchon import Interrupted, store
 from django_anarchon import runner as runner_module
-from django_anarchon import store
 from django_anarchon.conf import parse
 from django_anarchon.engine import Engine
 from django_anarchon.models import Run
@@ -394,3 +394,48 @@ def test_an_instance_learns_of_a_new_peer_when_it_next_claims(monkeypatch: Any) 
     monkeypatch.setattr(clock, "monotonic", lambda: time.monotonic() + 2.0)
     engine._dispatch_due()
     assert engine._peers == tuple(sorted([engine.token, "newcomer"]))
+
+
+def test_a_run_whose_lease_may_have_run_out_while_it_waited_for_its_slot_is_never_started() -> None:
+    """Frozen after its claim (SIGSTOP, a long pause) and taken over meanwhile: on waking it must not start.
+
+    The watchdog may not have come round yet when the worker reaches the slot, so
+    the worker judges the lease itself, at the last moment before the handler.
+    """
+    from django_anarchon import signals
+
+    called: list[Any] = []
+    started: list[Any] = []
+    job = build_job("interval", "frozen", "10000d", called.append, {})
+    engine = Engine([job], parse({}), instance_id="frozen")  # threads not started: no watchdog
+    run: Any = Run(id=7, job="frozen", slot=int(time.time() * 1000) + 200, attempt=1, reason="scheduled")
+
+    def on_started(sender: Any, run: Any, **kwargs: Any) -> None:
+        started.append(run)
+
+    signals.run_started.connect(on_started)
+    try:
+        active = engine.adopt(run, time.monotonic())
+        assert active is not None
+        active.renewed_at = time.monotonic() - 100  # its last renewal: long before the freeze ended
+        wait_for(lambda: active.finished.is_set(), 5, what="the run to be given up")
+        time.sleep(0.3)
+    finally:
+        signals.run_started.disconnect(on_started)
+    assert called == [] and started == [], "the handler of a run this instance may have lost was started"
+    assert active.cause == "fenced" and isinstance(active.signal.reason, BaseException)
+    assert active.state == "done" and 7 not in {a.run.id for a in engine.active_runs()}
+
+
+def test_a_run_stopped_before_its_slot_is_handed_over_without_starting(monkeypatch: Any) -> None:
+    recorded: list[tuple[Any, Any]] = []
+    called: list[Any] = []
+    job = build_job("interval", "early", "10000d", called.append, {})
+    engine = Engine([job], parse({}), instance_id="early")
+    monkeypatch.setattr(engine.runner, "hand_over", lambda active, error: recorded.append((active, error)))
+    run: Any = Run(id=8, job="early", slot=int(time.time() * 1000) + 60_000, attempt=1, reason="scheduled")
+    active = engine.adopt(run, time.monotonic())
+    assert active is not None
+    active.abort("stop", Interrupted("stopping"))
+    wait_for(lambda: active.finished.is_set(), 5, what="the run to end")
+    assert called == [] and [a for a, _ in recorded] == [active], "handed over, never started"

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from django.contrib import admin
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.text import Truncator
+from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from ..models import Run
+from .. import store
+from ..models import Run, Status
 from .display import ReadOnlyAdmin, format_seconds, moment_column, pretty_json, status_badge
 
 
@@ -31,6 +37,7 @@ class RunAdmin(ReadOnlyAdmin):
     date_hierarchy = "scheduled_at"
     ordering = ["-scheduled_at", "-attempt"]
     list_per_page = 50
+    actions = ["cancel"]
     show_full_result_count = False  # COUNT(*) over a long history is slow on PostgreSQL
     fieldsets = [
         (None, {"fields": ["job", "status_badge", "reason", "manual", "scheduled", "slot", "attempt"]}),
@@ -57,6 +64,35 @@ class RunAdmin(ReadOnlyAdmin):
     started = moment_column("started_at", _("started at"))
     finished = moment_column("finished_at", _("finished at"))
     lease_expires = moment_column("lease_expires_at", _("lease expires at"))
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        """May the user cancel pending runs (``django_anarchon.cancel_run``)?"""
+        return request.user.has_perm(f"{self.opts.app_label}.cancel_run")
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """The view permission, or the permission to cancel pending runs."""
+        return super().has_view_permission(request, obj) or self.has_cancel_permission(request)
+
+    @admin.action(description=_("Cancel pending runs"), permissions=["cancel"])
+    def cancel(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        """Record the selected pending runs as skipped (cancelled); runs already started are left alone."""
+        user = request.user.get_username()
+        detail = gettext("cancelled by %(user)s in the admin") % {"user": user}
+        selected = list(queryset)
+        cancelled = store.cancel_pending([r.pk for r in selected if r.status == Status.PENDING], detail)
+        for run in cancelled:
+            self.log_change(request, run, detail)
+        if cancelled:
+            message = ngettext("Cancelled %(count)d pending run.", "Cancelled %(count)d pending runs.", len(cancelled))
+            self.message_user(request, message % {"count": len(cancelled)}, messages.SUCCESS)
+        if len(cancelled) < len(selected):
+            left = len(selected) - len(cancelled)
+            message = ngettext(
+                "%(count)d selected run was not pending (already started or ended) and was left as it is.",
+                "%(count)d selected runs were not pending (already started or ended) and were left as they are.",
+                left,
+            )
+            self.message_user(request, message % {"count": left}, messages.WARNING)
 
     @admin.display(description=_("status"), ordering="status")
     def status_badge(self, run: Run) -> str:

@@ -28,25 +28,29 @@ The rules, which every function below follows:
 
 from __future__ import annotations
 
+from ..dbtime import DbNow, db_in
 from .base import (
     CATCH_UP_LIMIT,
     NOTIFY_CHANNEL,
     CatchUp,
     Claim,
-    DbNow,
     Outcome,
+    Poll,
     alias,
-    db_in,
     notify,
+    retry_cannot_fix,
     retry_deadlocks,
     slot_datetime,
+    storable_text,
 )
 from .base import _lock_jobs as _lock_jobs
-from .claims import claim_manual, claim_pending, create_manual, decide, poll
+from .claims import cancel_pending, claim_manual, claim_pending, create_manual, decide, poll
 from .housekeeping import (
+    close_undeclared,
     database_time,
     ensure_jobs,
     heartbeat,
+    limit_idle_transactions,
     live_instances,
     prune,
     register_instance,
@@ -61,9 +65,12 @@ __all__ = [
     "Claim",
     "DbNow",
     "Outcome",
+    "Poll",
     "alias",
+    "cancel_pending",
     "claim_manual",
     "claim_pending",
+    "close_undeclared",
     "create_manual",
     "database_time",
     "db_in",
@@ -73,15 +80,18 @@ __all__ = [
     "finish_many",
     "hand_over",
     "heartbeat",
+    "limit_idle_transactions",
     "live_instances",
     "notify",
     "poll",
     "prune",
     "register_instance",
     "renew",
+    "retry_cannot_fix",
     "retry_deadlocks",
     "save_progress",
     "slot_datetime",
+    "storable_text",
     "take_over",
     "unregister_instance",
 ]

@@ -8,12 +8,22 @@ import random
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from django.db import OperationalError, connections, router
-from django.db.models import DateTimeField, ExpressionWrapper, Func, Max
+from django.db import (
+    DatabaseError,
+    DataError,
+    IntegrityError,
+    NotSupportedError,
+    OperationalError,
+    ProgrammingError,
+    connections,
+    router,
+)
+from django.db.models import Max
 
+from ..dbtime import DbNow
 from ..models import JobState, Reason, Run, Status
 from ..registry import Job
 from ..timing import sleep
@@ -24,33 +34,6 @@ NOTIFY_CHANNEL = "django_anarchon"
 # "all" catch-up runs at most this many missed slots of a job; older ones are
 # recorded as missed, with a warning.
 CATCH_UP_LIMIT = 100
-
-
-class DbNow(Func):
-    """The database server's clock, in UTC, to the microsecond where it has them.
-
-    Django's ``Now()`` follows the MySQL session time zone and, before Django 5,
-    has only whole seconds on SQLite; leases need neither surprise.
-    """
-
-    output_field = DateTimeField()
-    template = "CURRENT_TIMESTAMP"
-
-    def as_postgresql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
-        return self.as_sql(compiler, connection, template="STATEMENT_TIMESTAMP()", **extra)
-
-    def as_mysql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
-        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra)
-
-    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
-        return self.as_sql(
-            compiler, connection, template="STRFTIME('%%%%Y-%%%%m-%%%%d %%%%H:%%%%M:%%%%f', 'NOW')", **extra
-        )
-
-
-def db_in(seconds: float) -> ExpressionWrapper:
-    """The database clock plus ``seconds``."""
-    return ExpressionWrapper(DbNow() + timedelta(seconds=seconds), output_field=DateTimeField())
 
 
 def alias() -> str:
@@ -65,10 +48,11 @@ def _runs() -> Any:
 def _newest_scheduled_slots(runs: Any) -> dict[str, int]:
     """Each job's newest slot among ``runs`` that were not started by ``run_now()``.
 
-    What catch-up counts from: a manual run says nothing about which scheduled
-    slots were run. History pruning keeps the same figure of what it deletes.
+    What catch-up counts from: a manual run (or a takeover attempt of one) says
+    nothing about which scheduled slots were run. History pruning keeps the
+    same figure of what it deletes.
     """
-    newest = runs.exclude(reason=Reason.MANUAL).values("job").annotate(newest=Max("slot"))
+    newest = runs.filter(manual=False).values("job").annotate(newest=Max("slot"))
     return dict(newest.values_list("job", "newest"))
 
 
@@ -89,6 +73,25 @@ class Claim:
     reason: str = Reason.SCHEDULED
     # catch_up="all": when the job is busy, wait as a pending run instead of being skipped.
     wait: bool = False
+    # Due with no free worker until the job's next slot came: recorded skipped if still undecided.
+    shed: bool = False
+
+
+def first_attempt(claim: Claim, status: str, *, instance_id: str, owner: str, data: Any, **fields: Any) -> Run:
+    """The row of the first attempt at ``claim``'s slot (not saved), with ``fields`` on top."""
+    return Run(
+        job=claim.job.name,
+        slot=claim.slot,
+        attempt=1,
+        status=status,
+        reason=claim.reason,
+        manual=False,
+        scheduled_at=slot_datetime(claim.slot),
+        instance_id=instance_id,
+        owner=owner,
+        data=data,
+        **fields,
+    )
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,14 @@ class Outcome:
     early: list[Claim] = field(default_factory=list)  # claimed ahead while the job was busy: not decided
 
 
+@dataclass
+class Poll:
+    """What a poll found: runs whose lease has expired (or is about to), jobs with pending runs."""
+
+    expiring: list[Run] = field(default_factory=list)
+    pending_jobs: list[str] = field(default_factory=list)
+
+
 def _vendor() -> str:
     return str(connections[alias()].vendor)
 
@@ -124,6 +135,44 @@ def _is_deadlock(error: BaseException) -> bool:
     cause = error.__cause__ or error
     code = getattr(cause, "sqlstate", None) or (cause.args[0] if getattr(cause, "args", None) else None)
     return code in _DEADLOCK_CODES
+
+
+# MySQL/MariaDB errors about a value, not the connection: incorrect string value (a
+# character the column's charset lacks), data too long, out of range, invalid JSON.
+_MYSQL_VALUE_ERRORS = {1366, 1406, 1264, 1265, 3140, 4025}
+
+
+def retry_cannot_fix(error: BaseException) -> bool:
+    """Whether writing the same values again would fail the same way, whatever the database's health.
+
+    A refused value (``DataError``, a MySQL "incorrect string value"), a broken
+    constraint, or an error that is not the database's at all (a string the
+    driver cannot encode). Connection trouble, timeouts and deadlocks are not:
+    those are retried.
+    """
+    if isinstance(error, (DataError, IntegrityError, NotSupportedError, ProgrammingError)):
+        return True
+    if isinstance(error, OperationalError):
+        cause = error.__cause__ or error
+        code = cause.args[0] if getattr(cause, "args", None) else None
+        return code in _MYSQL_VALUE_ERRORS
+    return not isinstance(error, DatabaseError)
+
+
+def storable_text(text: str) -> str:
+    """``text`` as every supported database stores it: NUL and lone surrogates escaped.
+
+    PostgreSQL refuses NUL in text columns and no driver can encode a lone
+    surrogate; both become visible escapes (``\\x00``, ``\\ud800``), so the
+    message still says what the handler raised.
+    """
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def retry_deadlocks(function: Fn) -> Fn:
@@ -167,20 +216,20 @@ def _lock_jobs(names: Sequence[str], *, skip_locked: bool = False) -> dict[str, 
     those jobs to be retried, rather than queueing behind an instance that is
     deciding the very same slots.
     """
-    from . import sql  # sql imports this module
+    from . import statements  # statements imports this module
 
     names = sorted(set(names))
     db = alias()
     states = JobState.objects.using(db)
     skip = skip_locked and _vendor() != "sqlite" and connections[db].features.has_select_for_update_skip_locked
-    found = sql.lock_states(names, skip_locked=skip)
+    found = statements.lock_states(names, skip_locked=skip)
     missing = [n for n in names if n not in found]
     if skip and missing:
         held_elsewhere = set(states.filter(name__in=missing).values_list("name", flat=True))
         missing = [n for n in missing if n not in held_elsewhere]
     if missing:
         states.bulk_create([JobState(name=n, first_seen=DbNow()) for n in missing], ignore_conflicts=True)
-        found.update(sql.lock_states(missing, skip_locked=skip))
+        found.update(statements.lock_states(missing, skip_locked=skip))
     return found
 
 
@@ -206,7 +255,7 @@ def _views_of(rows: Iterable[Run]) -> dict[str, _JobView]:
     views: dict[str, _JobView] = defaultdict(_JobView)
     for row in rows:
         view = views[row.job]
-        if row.status == Status.RUNNING or row.attempt > 1:
+        if row.is_active:
             view.active.append(row)
         else:
             view.queued.append(row)

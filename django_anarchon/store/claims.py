@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.db.models import DateTimeField, F, Q, Value
 from django.db.models.functions import Greatest
 
+from ..dbtime import DbNow, db_in
 from ..models import JobState, Reason, Run, Status
 from ..registry import Job
-from . import sql
+from . import statements
 from .base import (
     CATCH_UP_LIMIT,
     CatchUp,
     Claim,
-    DbNow,
     Outcome,
+    Poll,
     _busy_detail,
     _interrupt,
     _iso,
@@ -30,12 +31,13 @@ from .base import (
     _views,
     _views_of,
     alias,
-    db_in,
+    first_attempt,
     logger,
     notify,
     retry_deadlocks,
     slot_datetime,
 )
+from .housekeeping import database_time
 
 
 @retry_deadlocks
@@ -75,12 +77,12 @@ def decide(
         "default_data": default_data,
         "skip_locked": skip_locked,
     }
-    if claims and not catch_ups and sql.can_claim_in_one_statement(claims):
+    if claims and not catch_ups and statements.can_claim_in_one_statement(claims):
         # PostgreSQL: the plain case in one round trip; what it leaves
         # undecided (busy jobs, jobs with no row yet) takes the Python path.
         try:
-            outcome, rest = sql.claim_scheduled(claims, capacity=capacity, **common)
-        except sql.NoClaimFunction:
+            outcome, rest = statements.claim_scheduled(claims, capacity=capacity, **common)
+        except statements.NoClaimFunction:
             return _decide(claims, (), capacity=capacity, now_ms=now_ms, **common)
         if rest:
             more = _decide(rest, (), capacity=capacity - len(outcome.won), now_ms=now_ms, looked=True, **common)
@@ -112,7 +114,7 @@ def _decide(
     if claims and not catch_ups and not looked:
         # Unlocked first look: an instance that arrives after the slots were
         # decided learns it without taking (or waiting for) any lock.
-        done = sql.decided(sorted({c.job.name for c in claims}), sorted({c.slot for c in claims}))
+        done = statements.decided(sorted({c.job.name for c in claims}), sorted({c.slot for c in claims}))
         claims = [c for c in claims if (c.job.name, c.slot) not in done]
     if not claims and not catch_ups:
         return outcome
@@ -132,8 +134,8 @@ def _decide(
             all_claims = extra + all_claims
         slots = sorted({c.slot for c in all_claims})
         # One query for both "what is each job doing" and "was this slot decided".
-        rows = sql.runs_for_decision(names, slots)
-        taken = {(r.job, r.slot) for r in rows if r.attempt == 1}
+        rows = statements.runs_for_decision(names, slots)
+        taken = {(r.job, r.slot) for r in rows if r.attempt == 1 and not r.manual}
         views = _views_of(r for r in rows if r.status in (Status.RUNNING, Status.PENDING))
         inserts: list[Run] = []
         replace_ids: list[int] = []
@@ -145,30 +147,46 @@ def _decide(
             if states[job.name].paused or (job.name, claim.slot) in taken:
                 continue
             view = views[job.name]
+            if claim.shed:
+                data = _resolved_data(job, default_data)
+                inserts.append(
+                    first_attempt(
+                        claim,
+                        Status.SKIPPED,
+                        instance_id=instance_id,
+                        owner=owner,
+                        data=data,
+                        created_at=now,
+                        finished_at=now,
+                        detail=SHED_DETAIL,
+                    )  # fmt: skip
+                )
+                taken.add((job.name, claim.slot))
+                continue
             busy = bool(view.active) and job.overlap != "allow"
             if busy and now_ms is not None and claim.slot > now_ms:
                 outcome.early.append(claim)
                 continue
             status, detail = _overlap(claim, view) if busy else (Status.RUNNING, "")
-            if status == Status.RUNNING:
-                if budget <= 0:
+            if status == Status.RUNNING and budget <= 0:
+                if claim.reason != Reason.CATCH_UP:
                     outcome.deferred.append(claim)  # and under replace, the active run goes on
                     continue
+                # A missed slot is owed a run: it waits as a pending run for whichever
+                # instance has a free worker first, rather than vanish unrecorded.
+                status, detail = Status.PENDING, "waiting for a free worker (MAX_WORKERS)"
+            if status == Status.RUNNING:
                 budget -= 1
-            if busy and job.overlap == "replace":
-                replace_ids.extend(r.id for r in view.active if r.id is not None)
-            row = Run(
-                job=job.name,
-                slot=claim.slot,
-                attempt=1,
-                status=status,
-                reason=claim.reason,
-                manual=False,
-                scheduled_at=slot_datetime(claim.slot),
-                instance_id=instance_id if status != Status.PENDING else "",
-                owner=owner if status != Status.PENDING else "",
-                created_at=now,
+                if busy and job.overlap == "replace":
+                    replace_ids.extend(r.id for r in view.active if r.id is not None)
+            waits = status == Status.PENDING
+            row = first_attempt(
+                claim,
+                status,
+                instance_id="" if waits else instance_id,
+                owner="" if waits else owner,
                 data=_resolved_data(job, default_data),
+                created_at=now,
                 detail=detail,
             )
             if status == Status.RUNNING:
@@ -193,11 +211,13 @@ def _decide(
             # No conflict is possible under the job locks, but run_now() may
             # pick the same millisecond; the INSERT leaves out a taken slot
             # and returns (or the read-back tells) what was really inserted.
-            stored = sql.insert_runs(inserts)
+            stored = statements.insert_runs(inserts)
             pairs = {(r.job, r.slot) for r in inserts}
             if stored is None:
                 stored = list(
-                    _runs().filter(job__in=names, slot__in=sorted({r.slot for r in inserts}), attempt=1, owner=owner)
+                    _runs().filter(
+                        job__in=names, slot__in=sorted({r.slot for r in inserts}), attempt=1, manual=False, owner=owner
+                    )
                 )
             for row in stored:
                 if (row.job, row.slot) not in pairs or row.owner != owner:
@@ -212,6 +232,9 @@ def _decide(
             notify("queued")
     outcome.won.sort(key=lambda r: (r.slot, r.job))
     return outcome
+
+
+SHED_DETAIL = "no instance had a free worker for it before the job's next slot came (MAX_WORKERS)"
 
 
 def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
@@ -256,7 +279,7 @@ def _expand_catch_ups(
     decided_by_catch_up = {
         job: created
         for job, slot, created in _runs()
-        .filter(job__in=names, slot__in=set(last.values()), attempt=1)
+        .filter(job__in=names, slot__in=set(last.values()), attempt=1, manual=False)
         .filter(Q(reason=Reason.CATCH_UP) | Q(status=Status.MISSED))
         .values_list("job", "slot", "created_at")
         if last.get(job) == slot
@@ -330,26 +353,33 @@ def _expand_catch_ups(
     return claims, missed
 
 
-def poll(limit: int = 200, expiring_within: float = 0.0) -> list[Run]:
-    """Runs that need someone: pending ones, and running ones whose lease has expired.
+def poll(expiring_within: float = 0.0) -> Poll:
+    """What needs someone: running runs whose lease has expired, and the jobs with pending runs.
 
     With ``expiring_within`` (seconds), also the running runs whose lease expires
     within that time by the database clock, so that the caller can come back
     for them when it does instead of a poll later. A healthy runner renews long
     before that, so these are the runs of a runner that has stopped renewing.
-    A read only; nothing is decided here.
+
+    Every such running run is returned, however many pending runs wait: a
+    backlog (hundreds of manual runs queued behind a long job, an outage's
+    catch-up) must never hide a crashed runner's lease from takeover. Pending
+    runs come as one name per job: :func:`claim_pending` re-reads them under
+    the job locks anyway. One statement; a read only, nothing is decided here.
     """
     expiring = db_in(expiring_within) if expiring_within > 0 else DbNow()
-    return list(
-        _runs()
-        .filter(Q(status=Status.PENDING) | Q(status=Status.RUNNING, lease_expires_at__lt=expiring))
-        .order_by("slot", "id")[:limit]
-    )
+    result = Poll()
+    for row in statements.poll_rows(expiring):
+        if row.status == Status.RUNNING:
+            result.expiring.append(row)
+        else:
+            result.pending_jobs.append(row.job)
+    return result
 
 
 @retry_deadlocks
 def claim_pending(
-    rows: Sequence[Run], jobs: dict[str, Job], *, owner: str, instance_id: str, ttl: float, capacity: int
+    names: Iterable[str], jobs: dict[str, Job], *, owner: str, instance_id: str, ttl: float, capacity: int
 ) -> Outcome:
     """Claim pending runs (manual, queued, catch-up, handed-over) that may start now.
 
@@ -362,7 +392,7 @@ def claim_pending(
     ``pending -> running``; rowcount 1 means won.
     """
     outcome = Outcome()
-    names = sorted({r.job for r in rows if r.job in jobs})
+    names = sorted({name for name in names if name in jobs})
     if not names or capacity <= 0:
         return outcome
     db = alias()
@@ -420,13 +450,39 @@ def claim_pending(
     return outcome
 
 
-def create_manual(job: str, data: Any, slot: int, schedule: str = "") -> Run:
-    """Record a pending manual run of ``job`` at ``slot`` (bumped by 1 ms until unique) and notify."""
+def cancel_pending(ids: Iterable[int], detail: str) -> list[Run]:
+    """Record the given pending runs ``skipped`` with ``detail``; return the ones that were still pending.
+
+    One conditional UPDATE per run (``pending`` to ``skipped``): a run an
+    instance claimed meanwhile is running and stays as it is.
+    """
+    cancelled = []
+    for run_id in ids:
+        if (
+            _runs()
+            .filter(id=run_id, status=Status.PENDING)
+            .update(status=Status.SKIPPED, finished_at=DbNow(), detail=detail)
+        ):
+            cancelled.append(_runs().get(id=run_id))
+    return cancelled
+
+
+def create_manual(job: str, data: Any, slot: int | None = None, schedule: str = "") -> Run:
+    """Record a pending manual run of ``job`` and notify; return it.
+
+    Its slot is the database clock's millisecond (``slot`` overrides it), bumped
+    by 1 ms until no other manual run of the job has it: manual runs have a slot
+    space of their own (the unique constraint includes ``manual``), so a manual
+    run never takes the row of a scheduled slot, and a caller whose host clock
+    is off does not date it wrongly.
+    """
     db = alias()
     JobState.objects.using(db).bulk_create(
         [JobState(name=job, schedule=schedule[:300], first_seen=DbNow())], ignore_conflicts=True
     )
     json.dumps(data)  # the caller validated it; this guards the column
+    if slot is None:
+        slot = int(database_time().timestamp() * 1000)
     for bump in range(1000):
         run = Run(
             job=job,
@@ -468,7 +524,9 @@ def claim_manual(job: Job, data: Any, slot: int, *, owner: str, instance_id: str
         if view.active and job.overlap == "replace":
             _interrupt([r.id for r in view.active if r.id is not None], "replaced by a manual run (overlap='replace')")
         taken = set(
-            _runs().filter(job=job.name, slot__gte=slot, slot__lt=slot + 1000, attempt=1).values_list("slot", flat=True)
+            _runs()
+            .filter(job=job.name, slot__gte=slot, slot__lt=slot + 1000, attempt=1, manual=True)
+            .values_list("slot", flat=True)
         )
         free = next(s for s in range(slot, slot + 1001) if s not in taken)
         run = Run(

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Iterable
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import connections, transaction
 from django.db.models import DateTimeField, ExpressionWrapper, Q
 
+from ..dbtime import DbNow
 from ..models import Instance, JobState, Status
 from ..registry import Job
 from .base import (
     UTC,
-    DbNow,
     _newest_scheduled_slots,
     _runs,
     _vendor,
@@ -21,15 +24,64 @@ from .base import (
 
 
 def ensure_jobs(jobs: Iterable[Job]) -> None:
-    """Create the JobState rows of declared jobs and keep their schedule text current."""
+    """Create the JobState rows of declared jobs, keep their schedule text current, stamp ``declared_at``.
+
+    Called at start and hourly: ``declared_at`` tells :func:`close_undeclared`
+    which jobs some running instance still declares.
+    """
     db = alias()
+    states = JobState.objects.using(db)
     rows = [JobState(name=j.name, schedule=j.schedule.describe()[:300], first_seen=DbNow()) for j in jobs]
     for start in range(0, len(rows), 500):
-        JobState.objects.using(db).bulk_create(rows[start : start + 500], ignore_conflicts=True)
-    known = dict(JobState.objects.using(db).values_list("name", "schedule"))
+        batch = rows[start : start + 500]
+        states.bulk_create(batch, ignore_conflicts=True)
+        states.filter(name__in=[r.name for r in batch]).update(declared_at=DbNow())
+    known = dict(states.values_list("name", "schedule"))
     stale = [r for r in rows if known.get(r.name) != r.schedule]
     for row in stale:
-        JobState.objects.using(db).filter(name=row.name).update(schedule=row.schedule)
+        states.filter(name=row.name).update(schedule=row.schedule)
+
+
+def close_undeclared(grace: float) -> dict[str, int]:
+    """Close the waiting and abandoned runs of jobs no running instance has declared for ``grace`` seconds.
+
+    Their pending runs are recorded ``missed`` and their running runs whose
+    lease has expired ``interrupted``, each with the reason: no instance would
+    ever pick them up or take them over, and a pile of them would wait in
+    every poll for good. A running run whose lease is live is left alone (an
+    instance holds it). Each row changes by a conditional UPDATE on its
+    status, so a run claimed meanwhile stays as it is. Returns the number of
+    runs closed per job.
+    """
+    states = JobState.objects.using(alias())
+    cutoff = ExpressionWrapper(DbNow() - timedelta(seconds=grace), output_field=DateTimeField())
+    stale = states.filter(Q(declared_at__lt=cutoff) | Q(declared_at__isnull=True, first_seen__lt=cutoff))
+    waiting = (
+        _runs()
+        .filter(job__in=stale.values("name"))
+        .filter(Q(status=Status.PENDING) | Q(status=Status.RUNNING, lease_expires_at__lt=DbNow()))
+    )
+    closed: dict[str, int] = {}
+    rows = list(waiting.values_list("id", "job", "status")[:1000])
+    for status, new_status in ((Status.PENDING, Status.MISSED), (Status.RUNNING, Status.INTERRUPTED)):
+        ids = [i for i, _, s in rows if s == status]
+        if not ids:
+            continue
+        changed = _runs().filter(id__in=ids, status=status)
+        if status == Status.RUNNING:
+            changed = changed.filter(lease_expires_at__lt=DbNow())
+        done = set(changed.values_list("id", flat=True))
+        changed.update(
+            status=new_status,
+            finished_at=DbNow(),
+            lease_expires_at=None,
+            detail=f"no running instance has declared this job for {grace / 3600:g} hour(s); "
+            f"closed instead of waiting for ever",
+        )
+        for i, job, _ in rows:
+            if i in done:
+                closed[job] = closed.get(job, 0) + 1
+    return closed
 
 
 def register_instance(token: str, instance_id: str, host: str, pid: int) -> None:
@@ -109,3 +161,41 @@ def prune(retention: float | None, batch: int = 1000) -> int:
     stale = ExpressionWrapper(DbNow() - timedelta(days=1), output_field=DateTimeField())
     Instance.objects.using(db).filter(last_heartbeat__lt=stale).delete()
     return deleted
+
+
+class _Guarded(threading.local):
+    def __init__(self) -> None:
+        self.connections: dict[str, Any] = {}  # alias -> the DB-API connection already limited
+
+
+_guarded = _Guarded()
+
+
+def limit_idle_transactions(seconds: float) -> None:
+    """Have the server end this thread's session if it sits idle inside a transaction for ``seconds``.
+
+    A process frozen (SIGSTOP, a suspended VM) in the middle of a claim holds
+    the job rows it locked until it resumes: no other instance could decide
+    those jobs' slots meanwhile. With this limit the server drops the frozen
+    session and its locks after about one lease (the frozen process finds its
+    connection gone when it wakes, and reconnects). Set once per connection
+    (PostgreSQL ``idle_in_transaction_session_timeout``, MariaDB
+    ``idle_transaction_timeout``); MySQL and SQLite have no such limit (a
+    frozen SQLite writer holds the file's lock until it resumes).
+    """
+    db = alias()
+    connection = connections[db]
+    connection.ensure_connection()
+    raw = connection.connection
+    if _guarded.connections.get(db) is raw:
+        return
+    vendor = connection.vendor
+    with connection.cursor() as cursor:
+        if vendor == "postgresql":
+            cursor.execute(
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+                [str(max(1, math.ceil(seconds * 1000)))],
+            )
+        elif vendor == "mysql" and getattr(connection, "mysql_is_mariadb", False):
+            cursor.execute("SET SESSION idle_transaction_timeout = %s", [max(1, math.ceil(seconds))])
+    _guarded.connections[db] = raw

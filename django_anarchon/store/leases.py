@@ -7,13 +7,13 @@ from typing import Any
 
 from django.db import transaction
 
+from ..dbtime import DbNow, db_in
+from ..exceptions import AttemptsExhausted
 from ..models import Reason, Run, Status
-from . import sql
+from . import statements
 from .base import (
-    DbNow,
     _runs,
     alias,
-    db_in,
     notify,
     retry_deadlocks,
 )
@@ -28,8 +28,29 @@ def _held(owner: str) -> Any:
     return _runs().filter(owner=owner, status=Status.RUNNING, lease_expires_at__gt=DbNow())
 
 
+# As a handler's exception is recorded: its module and name.
+ATTEMPTS_EXHAUSTED = f"{AttemptsExhausted.__module__}.{AttemptsExhausted.__qualname__}"
+
+
+def _give_up_values(attempt: int, max_attempts: int, why: str) -> dict[str, Any]:
+    """The columns of the last allowed attempt of a run, recorded ``failed`` instead of handed on."""
+    message = (
+        f"gave up after {attempt} attempt(s) (MAX_ATTEMPTS={max_attempts}): attempt {attempt} was interrupted, {why}"
+    )
+    return {
+        "status": Status.FAILED,
+        "finished_at": DbNow(),
+        "lease_expires_at": None,
+        "error_type": ATTEMPTS_EXHAUSTED,
+        "error_message": message,
+        "detail": message,
+    }
+
+
 @retry_deadlocks
-def take_over(run: Run, *, owner: str, instance_id: str, ttl: float, start: bool) -> tuple[Run, Run] | None:
+def take_over(
+    run: Run, *, owner: str, instance_id: str, ttl: float, start: bool, max_attempts: int | None = None
+) -> tuple[Run, Run | None] | None:
     """Take over a run whose lease expired; return (old attempt, new attempt) or None.
 
     The conditional UPDATE marks the expired attempt ``interrupted`` only if it
@@ -37,19 +58,22 @@ def take_over(run: Run, *, owner: str, instance_id: str, ttl: float, start: bool
     locks the row, so against a concurrent renewal or another backup exactly one
     wins. The winner inserts the next attempt in the same transaction: running
     and owned by ``owner`` if ``start``, else pending for whoever has room.
+
+    An attempt that was the run's ``max_attempts``-th is recorded ``failed``
+    (``AttemptsExhausted``) instead, by the same kind of conditional UPDATE,
+    and no attempt follows: the new attempt is None.
     """
+    why = (
+        f"its lease expired: {run.instance_id or 'its instance'} stopped renewing it "
+        "(crashed, froze or lost the database)"
+    )
     with transaction.atomic(using=alias()):
-        won = (
-            _runs()
-            .filter(id=run.id, status=Status.RUNNING, lease_expires_at__lt=DbNow())
-            .update(
-                status=Status.INTERRUPTED,
-                finished_at=DbNow(),
-                lease_expires_at=None,
-                detail=f"lease expired: {run.instance_id or 'its instance'} stopped renewing it "
-                "(crashed, froze or lost the database)",
-            )
-        )
+        expired = _runs().filter(id=run.id, status=Status.RUNNING, lease_expires_at__lt=DbNow())
+        if max_attempts is not None and expired.filter(attempt__gte=max_attempts).update(
+            **_give_up_values(run.attempt, max_attempts, why)
+        ):
+            return _runs().get(id=run.id), None
+        won = expired.update(status=Status.INTERRUPTED, finished_at=DbNow(), lease_expires_at=None, detail=why)
         if not won:
             return None
         old = _runs().get(id=run.id)
@@ -82,20 +106,26 @@ def _next_attempt(old: Run, *, owner: str, instance_id: str, ttl: float, start: 
 
 
 @retry_deadlocks
-def hand_over(run_id: int, *, owner: str, detail: str) -> tuple[Run, Run] | None:
+def hand_over(
+    run_id: int, *, owner: str, detail: str, max_attempts: int | None = None
+) -> tuple[Run, Run | None] | None:
     """Release a run this process holds so that another instance continues it.
 
     Marks the attempt ``interrupted`` (only if the lease is still ours and
     live) and inserts the next attempt as ``pending`` in the same transaction,
     then notifies the other instances. Returns (old, new) or None if the run
-    was no longer ours.
+    was no longer ours. The run's ``max_attempts``-th attempt is recorded
+    ``failed`` (``AttemptsExhausted``) instead, and new is None.
     """
     with transaction.atomic(using=alias()):
-        won = (
-            _held(owner)
-            .filter(id=run_id)
-            .update(status=Status.INTERRUPTED, finished_at=DbNow(), lease_expires_at=None, detail=detail)
-        )
+        held = _held(owner).filter(id=run_id)
+        if max_attempts is not None:
+            attempt = held.filter(attempt__gte=max_attempts).values_list("attempt", flat=True).first()
+            if attempt is not None and held.update(
+                **_give_up_values(attempt, max_attempts, "stopped with its instance")
+            ):
+                return _runs().get(id=run_id), None
+        won = held.update(status=Status.INTERRUPTED, finished_at=DbNow(), lease_expires_at=None, detail=detail)
         if not won:
             return None
         old = _runs().get(id=run_id)
@@ -141,7 +171,7 @@ def finish(
     already written by us and still answers True.
     """
     texts = {"error_type": error_type[:255], "error_message": error_message, "traceback": traceback, "detail": detail}
-    done = sql.end_held([run_id], owner=owner, status=status, texts=texts)
+    done = statements.end_held([run_id], owner=owner, status=status, texts=texts)
     return bool(done) or _runs().filter(id=run_id, owner=owner, status=status, lease_expires_at=None).exists()
 
 
@@ -153,7 +183,7 @@ def finish_many(run_ids: Sequence[int], *, owner: str) -> set[int]:
     can only have been written by us: each attempt ends once).
     """
     ids = list(run_ids)
-    done = sql.end_held(ids, owner=owner, status=Status.SUCCESS)
+    done = statements.end_held(ids, owner=owner, status=Status.SUCCESS)
     if done == len(ids):
         return set(ids)
     return set(_runs().filter(id__in=ids, owner=owner, status=Status.SUCCESS).values_list("id", flat=True))

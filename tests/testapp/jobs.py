@@ -1,6 +1,7 @@
 """Jobs for the process tests, declared from the ANARCHON_TEST_JOBS environment variable.
 
 ANARCHON_TEST_JOBS is a JSON list of {"name", "every" | "cron", "kind", "seconds", options...}.
+A "fail" job raises ValueError(spec["message"]) when one is given.
 Kinds: record, gc (records how many objects start-up froze), sleep (honours the signal), stubborn
 (ignores it), fail, checkpoint, async_sleep, async_stubborn (blocks in sync_to_async, ignoring the
 signal).
@@ -65,7 +66,7 @@ def _store(ctx: Context, event: str, note: str) -> None:
     )
 
 
-def make_handler(kind: str, seconds: float, steps: int) -> Any:
+def make_handler(kind: str, seconds: float, steps: int, message: str = "") -> Any:
     if kind == "record":
 
         def handler(ctx: Context) -> None:
@@ -98,7 +99,7 @@ def make_handler(kind: str, seconds: float, steps: int) -> Any:
 
         def handler(ctx: Context) -> None:
             record(ctx, "start")
-            raise ValueError(f"boom in {ctx.name}")
+            raise ValueError(message or f"boom in {ctx.name}")
 
     elif kind == "checkpoint":
 
@@ -145,7 +146,9 @@ def make_handler(kind: str, seconds: float, steps: int) -> Any:
 for spec in json.loads(os.environ.get("ANARCHON_TEST_JOBS", "[]")):
     spec = dict(spec)
     name = spec.pop("name")
-    handler = make_handler(spec.pop("kind", "record"), spec.pop("seconds", 0.0), spec.pop("steps", 0))
+    handler = make_handler(
+        spec.pop("kind", "record"), spec.pop("seconds", 0.0), spec.pop("steps", 0), spec.pop("message", "")
+    )
     if "every" in spec:
         scheduler.every(name, spec.pop("every"), handler, **spec)
     else:

@@ -27,8 +27,10 @@ from django.db.models import Model
 from django.db.models.constants import OnConflict
 from django.db.models.sql import Query
 
+from ..dbtime import DbNow
 from ..models import JobState, Reason, Run, Status
-from .base import Claim, DbNow, Outcome, _resolved_data, alias, logger, slot_datetime
+from .base import Claim, Outcome, _resolved_data, alias, first_attempt, logger
+from .schema import CLAIM_FUNCTION
 
 _ACTIVE = (Status.RUNNING, Status.PENDING)
 _NOW_SQL: dict[str, str] = {}  # vendor -> the database clock's SQL
@@ -36,7 +38,6 @@ _NOW_SQL: dict[str, str] = {}  # vendor -> the database clock's SQL
 # transaction holds (most often another instance's claim of the same slot, which takes
 # about a millisecond) before answering "busy"; a busy job costs a retry ~20 ms later.
 LOCK_WAIT_MS = 10
-CLAIM_FUNCTION = "django_anarchon_claim"  # created by migration 0003
 
 
 class _KeptCursors(threading.local):
@@ -103,20 +104,28 @@ def now_sql(connection: Any) -> str:
 
 
 def decided(names: Sequence[str], slots: Sequence[int]) -> set[tuple[str, int]]:
-    """The (job, slot) pairs among ``names`` × ``slots`` whose first attempt is on record."""
+    """The (job, slot) pairs among ``names`` × ``slots`` whose first scheduled attempt is on record.
+
+    Manual runs have a slot space of their own (``manual`` is part of the unique
+    constraint): a manual run at the same millisecond decides nothing.
+    """
     if not names or not slots:
         return set()
     connection = connections[alias()]
-    sql = "SELECT {job}, {slot} FROM {run} WHERE {attempt} = 1 AND {job} IN ({names}) AND {slot} IN ({slots})".format(
+    sql = (
+        "SELECT {job}, {slot} FROM {run} WHERE {attempt} = 1 AND {manual} = %s "
+        "AND {job} IN ({names}) AND {slot} IN ({slots})"
+    ).format(
         run=_name(connection, Run),
         job=_name(connection, Run, "job"),
         slot=_name(connection, Run, "slot"),
         attempt=_name(connection, Run, "attempt"),
+        manual=_name(connection, Run, "manual"),
         names=_marks(len(names)),
         slots=_marks(len(slots)),
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [*names, *slots])
+        cursor.execute(sql, [False, *names, *slots])
         return {(str(job), int(slot)) for job, slot in cursor.fetchall()}
 
 
@@ -153,8 +162,12 @@ def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
     connection = connections[db]
     attempt, slot = _name(connection, Run, "attempt"), _name(connection, Run, "slot")
     wanted = f"{_name(connection, Run, 'status')} IN (%s, %s)"
+    decided: list[Any] = []
     if slots:
-        wanted += f" OR ({attempt} = 1 AND {slot} IN ({_marks(len(slots))}))"
+        wanted += (
+            f" OR ({attempt} = 1 AND {_name(connection, Run, 'manual')} = %s AND {slot} IN ({_marks(len(slots))}))"
+        )
+        decided = [False, *slots]
     sql = "SELECT {cols} FROM {run} WHERE {job} IN ({names}) AND ({wanted}) ORDER BY {slot}, {id}".format(
         cols=_columns(connection, Run),
         run=_name(connection, Run),
@@ -164,7 +177,30 @@ def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
         slot=slot,
         id=_name(connection, Run, "id"),
     )
-    return list(Run.objects.using(db).raw(sql, [*names, *_ACTIVE, *slots]))
+    return list(Run.objects.using(db).raw(sql, [*names, *_ACTIVE, *decided]))
+
+
+def poll_rows(expiring: Any) -> list[Run]:
+    """Running runs whose lease ends before ``expiring`` (an expression), and one row per job with pending runs.
+
+    One statement, the two halves joined by ``UNION ALL``: the running ones with
+    the columns a takeover needs, the pending ones grouped by job (the lowest
+    id and slot stand for them), so that a backlog of pending rows is one row
+    per job. The other columns are deferred.
+    """
+    db = alias()
+    connection = connections[db]
+    lease_sql, lease_params = compile_expression(connection, expiring)
+    names = {f: _name(connection, Run, f) for f in ("id", "job", "slot", "attempt", "status", "instance_id")}
+    lease = _name(connection, Run, "lease_expires_at")
+    sql = (
+        "SELECT {id}, {job}, {slot}, {attempt}, {status}, {instance_id}, {lease} FROM {run} "
+        "WHERE {status} = %s AND {lease} < {until} "
+        "UNION ALL "
+        "SELECT MIN({id}), {job}, MIN({slot}), MIN({attempt}), {status}, '', NULL FROM {run} "
+        "WHERE {status} = %s GROUP BY {job}, {status}"
+    ).format(run=_name(connection, Run), lease=lease, until=lease_sql, **names)
+    return list(Run.objects.using(db).raw(sql, [Status.RUNNING, *lease_params, Status.PENDING]))
 
 
 def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
@@ -261,7 +297,7 @@ def can_claim_in_one_statement(claims: Sequence[Claim]) -> bool:
     db = alias()
     if connections[db].vendor != "postgresql" or db in _MISSING_FUNCTION:
         return False
-    return all(c.reason == Reason.SCHEDULED and not c.wait for c in claims)
+    return all(c.reason == Reason.SCHEDULED and not c.wait and not c.shed for c in claims)
 
 
 def _text_array(values: Iterable[str | None]) -> str:
@@ -340,21 +376,16 @@ def claim_scheduled(
         elif kind == "deferred":
             outcome.deferred.append(claim)
         elif kind == "won":
-            run = Run(
-                id=run_id,
-                job=job,
-                slot=slot,
-                attempt=1,
-                status=Status.RUNNING,
-                reason=Reason.SCHEDULED,
-                manual=False,
-                scheduled_at=slot_datetime(slot),
+            run = first_attempt(
+                claim,
+                Status.RUNNING,
                 instance_id=instance_id,
                 owner=owner,
+                data=data[job],
+                id=run_id,
                 lease_expires_at=lease_expires_at,
                 created_at=created_at,
                 started_at=started_at,
-                data=data[job],
             )
             run._state.adding = False
             run._state.db = db

@@ -1,0 +1,35 @@
+"""The database server's clock as query expressions: leases are judged by it, never by a host's clock."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.db.models import DateTimeField, ExpressionWrapper, Func
+
+
+class DbNow(Func):
+    """The database server's clock, in UTC, to the microsecond where it has them.
+
+    Django's ``Now()`` follows the MySQL session time zone and, before Django 5,
+    has only whole seconds on SQLite; leases need neither surprise.
+    """
+
+    output_field = DateTimeField()
+    template = "CURRENT_TIMESTAMP"
+
+    def as_postgresql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(compiler, connection, template="STATEMENT_TIMESTAMP()", **extra)
+
+    def as_mysql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra)
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        return self.as_sql(
+            compiler, connection, template="STRFTIME('%%%%Y-%%%%m-%%%%d %%%%H:%%%%M:%%%%f', 'NOW')", **extra
+        )
+
+
+def db_in(seconds: float) -> ExpressionWrapper:
+    """The database clock plus ``seconds``."""
+    return ExpressionWrapper(DbNow() + timedelta(seconds=seconds), output_field=DateTimeField())
