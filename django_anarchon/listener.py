@@ -7,60 +7,62 @@ every ``POLL_INTERVAL``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable
 
 from django.db import connections
 
 from . import store
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .dbtrouble import DbTrouble
 
 logger = logging.getLogger("django_anarchon")
 
 
+def listening_available(instance_id: str) -> bool:
+    """Whether this database and driver can wake instances with NOTIFY."""
+    connection = connections[store.alias()]
+    if connection.vendor != "postgresql":
+        return False
+    try:
+        import psycopg
+
+        version = tuple(int(p) for p in psycopg.__version__.split(".")[:2])
+    except Exception:
+        version = (0, 0)
+    if version < (3, 2):
+        logger.info(
+            "LISTEN/NOTIFY needs psycopg 3.2 or newer; manual runs are picked up by polling",
+            extra={"instance": instance_id},
+        )
+        return False
+    return True
+
+
 class Listener:
-    """A thread of an :class:`Engine` that waits on NOTIFY on its own connection."""
+    """A thread that waits on NOTIFY on a connection of its own and calls ``notified``."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def available(self) -> bool:
-        connection = connections[store.alias()]
-        if connection.vendor != "postgresql":
-            return False
-        try:
-            import psycopg
-
-            version = tuple(int(p) for p in psycopg.__version__.split(".")[:2])
-        except Exception:
-            version = (0, 0)
-        if version < (3, 2):
-            logger.info(
-                "LISTEN/NOTIFY needs psycopg 3.2 or newer; manual runs are picked up by polling",
-                extra={"instance": self.engine.instance_id},
-            )
-            return False
-        return True
+    def __init__(self, notified: Callable[[], None], stopping: threading.Event, instance_id: str) -> None:
+        self.notified = notified
+        self.stopping = stopping
+        self.trouble = DbTrouble("the LISTEN connection", instance_id, store.alias)
 
     def run(self) -> None:
-        delay = 0.5
-        while not self.engine.stopping:
+        while not self.stopping.is_set():
             wrapper = connections.create_connection(store.alias())
             try:
                 wrapper.ensure_connection()
                 raw = wrapper.connection
                 raw.autocommit = True
                 raw.execute(f"LISTEN {store.NOTIFY_CHANNEL}")
-                self.engine.request_poll()  # whatever was notified while we were not listening
-                delay = 0.5
-                while not self.engine.stopping:
+                self.trouble.end_turn()
+                self.notified()  # whatever was notified while we were not listening
+                while not self.stopping.is_set():
                     for _ in raw.notifies(timeout=0.5, stop_after=1):
-                        self.engine.request_poll()
+                        self.notified()
             except Exception as error:
-                logger.debug("Listener connection failed (%s); retrying", error)
-                self.engine.wait_stopping(delay)
-                delay = min(delay * 2, 5.0)
+                self.trouble.failed(error)
+                self.trouble.end_turn()
+                self.stopping.wait(max(self.trouble.backoff, 0.5))
             finally:
                 try:
                     wrapper.close()

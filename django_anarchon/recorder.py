@@ -1,10 +1,13 @@
 """Records how runs ended, on one database connection, in batches.
 
-A run's own thread hands its outcome here and waits for the commit; it then
-sends the signals and logs, so a slow signal receiver only delays its own run.
-Recording from the run's thread instead would open a database connection per
-run (on PostgreSQL, a forked server process per run), which is what made a
-hundred simultaneous trivial jobs start hundreds of milliseconds late.
+A run's own thread hands its :class:`Ending` here and waits for the commit; it
+then sends the signals and logs, so a slow signal receiver only delays its own
+run. Recording from the run's thread instead would open a database connection
+per run wherever the worker's own connection is not kept.
+
+The recorder knows rows, not the runs an instance holds: an ending carries the
+run's row, how long its lease can be live (``lease_until``) and what to do when
+its end cannot be recorded at all (``on_give_up``).
 """
 
 from __future__ import annotations
@@ -13,37 +16,40 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import connections
 
 from . import store
-from .models import Status
-from .timing import sleep
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .runner import ActiveRun
+from .clock import sleep
+from .dbtrouble import DbTrouble
+from .models import Run, Status
 
 logger = logging.getLogger("django_anarchon")
-HAND_OVER = "hand-over"
 BATCH = 200
-# After the first outcome, collect others this long before writing. Runs due at
-# the same instant end at about the same time, and their outcomes go in one
-# UPDATE; writing (and waking the waiting runs' threads) while more runs of the
-# same instant are still starting delayed those starts by several milliseconds.
+# After the first ending, collect others this long before writing. Runs due at the same
+# instant end at about the same time, and their endings go in one UPDATE; writing (and
+# waking the waiting runs' threads) while more runs of the same instant are still
+# starting delays those starts.
 COLLECT_S = 0.02
 
 
 @dataclass
-class Outcome:
-    """One ending to record. ``result``: True (recorded), False (no longer ours), None (database
-    unreachable until the lease ran out), or (old, new) attempts for a hand-over."""
+class Ending:
+    """One ending to record: a final ``status``, or a hand-over (``hand_over``: interrupted, next attempt pending).
 
-    active: ActiveRun
-    status: str
+    ``result``: True (recorded), False (no longer ours), None (given up: nothing
+    could be recorded in time), or (old, new) attempts for a hand-over.
+    """
+
+    run: Run
+    lease_until: Callable[[], float]  # monotonic time after which the run's lease may have run out
+    on_give_up: Callable[[], None]  # nothing could be recorded: stop renewing, let a takeover run it
+    status: str = ""
+    hand_over: bool = False
+    max_attempts: int | None = None
     error_type: str = ""
     error_message: str = ""
     traceback: str = ""
@@ -67,23 +73,26 @@ class Outcome:
 
 
 class Recorder:
-    """A thread that writes outcomes for an :class:`Engine`."""
+    """A thread that writes the endings of one instance's runs."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._queue: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
+    def __init__(self, token: str, instance_id: str, lease_ttl: float) -> None:
+        self.token = token
+        self.instance_id = instance_id
+        self.lease_ttl = lease_ttl
+        self.trouble = DbTrouble("recording run endings", instance_id, store.alias)
+        self._queue: queue.SimpleQueue[Ending | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def record(self, outcome: Outcome) -> Any:
-        """Queue ``outcome`` and wait until it is written (or given up); return its result."""
+    def record(self, ending: Ending) -> Any:
+        """Queue ``ending`` and wait until it is written (or given up); return its result."""
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="anarchon-recorder", daemon=True)
                 self._thread.start()
-        self._queue.put(outcome)
-        outcome.done.wait()
-        return outcome.result
+        self._queue.put(ending)
+        ending.done.wait()
+        return ending.result
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._lock:
@@ -115,16 +124,16 @@ class Recorder:
                     self._record(batch)
                 except Exception as error:  # this thread must live on, or every later ending would wait for ever
                     logger.exception("Internal error while recording run endings")
-                    for outcome in batch:
-                        if not outcome.done.is_set():
-                            self._give_up(outcome, error, "recording it failed")
+                    for ending in batch:
+                        if not ending.done.is_set():
+                            self._give_up(ending, error, "recording it failed")
         finally:
             connections.close_all()
 
-    def _record(self, batch: list[Outcome]) -> None:
-        """Write ``batch``; retry while the database is unreachable, for each outcome while its lease can be live.
+    def _record(self, batch: list[Ending]) -> None:
+        """Write ``batch``; retry while the database is unreachable, for each ending while its lease can be live.
 
-        An outcome is given up (result None, logged at ERROR) once its lease may
+        An ending is given up (result None, logged at ERROR) once its lease may
         have run out, or once it has been retried for a whole ``LEASE_TTL``: the
         keeper renews the lease of a run whose end waits here, so a write that
         keeps failing must not hold the run (and this thread) for ever. A write
@@ -132,25 +141,25 @@ class Recorder:
         :meth:`_write_degraded`), never retried.
         """
         pending = batch
-        delay = 0.05
-        ttl = self.engine.settings.lease_ttl
         while pending:
             try:
                 self._write(pending)
             except Exception as error:  # only errors a retry may fix get here
-                self.engine.reset_connection()
+                self.trouble.failed(error)
                 now = time.monotonic()
-                for outcome in pending:
-                    if not outcome.done.is_set() and (
-                        now > outcome.active.renewed_at + ttl or now > outcome.queued_at + ttl
+                for ending in pending:
+                    if not ending.done.is_set() and (
+                        now > ending.lease_until() or now > ending.queued_at + self.lease_ttl
                     ):
-                        self._give_up(outcome, error, "another instance will take the run over once its lease runs out")
-                sleep(delay)
-                delay = min(delay * 2, 1.0)
-            pending = [outcome for outcome in pending if not outcome.done.is_set()]
+                        self._give_up(ending, error, "another instance will take the run over once its lease runs out")
+                self.trouble.end_turn()
+                sleep(min(self.trouble.backoff, 1.0))
+            else:
+                self.trouble.end_turn()
+            pending = [ending for ending in pending if not ending.done.is_set()]
 
-    def _give_up(self, outcome: Outcome, error: BaseException, then: str) -> None:
-        run = outcome.active.run
+    def _give_up(self, ending: Ending, error: BaseException, then: str) -> None:
+        run = ending.run
         logger.error(
             "Could not record the end of %s slot=%s attempt=%d (%s: %s); %s",
             run.job,
@@ -159,46 +168,44 @@ class Recorder:
             type(error).__name__,
             error,
             then,
-            extra={"job": run.job, "slot": run.slot, "attempt": run.attempt, "instance": self.engine.instance_id},
+            extra={"job": run.job, "slot": run.slot, "attempt": run.attempt, "instance": self.instance_id},
         )
-        outcome.settle(None)
-        # The keeper stops renewing it: its lease runs out and another attempt takes over.
-        outcome.active.done()
+        ending.settle(None)
+        ending.on_give_up()
 
-    def _write(self, outcomes: Sequence[Outcome]) -> None:
-        """Write every outcome not yet settled; raise only what a retry may fix."""
-        owner = self.engine.token
-        successes = [o for o in outcomes if o.status == Status.SUCCESS and not o.done.is_set()]
+    def _write(self, endings: Sequence[Ending]) -> None:
+        """Write every ending not yet settled; raise only what a retry may fix."""
+        successes = [e for e in endings if e.status == Status.SUCCESS and not e.hand_over and not e.done.is_set()]
         if successes:
             try:
-                recorded = store.finish_many([o.active.run.id for o in successes], owner=owner)  # type: ignore[misc]
+                recorded = store.finish_many([e.run.id for e in successes], owner=self.token)  # type: ignore[misc]
             except Exception as error:
                 if not store.retry_cannot_fix(error):
                     raise
                 # Written one by one below, where the one that cannot be written is degraded alone.
             else:
-                for outcome in successes:
-                    outcome.settle(outcome.active.run.id in recorded)
-        for outcome in outcomes:
-            if outcome.done.is_set():
+                for ending in successes:
+                    ending.settle(ending.run.id in recorded)
+        for ending in endings:
+            if ending.done.is_set():
                 continue
             try:
-                outcome.settle(self._write_one(outcome, outcome.texts()))
+                ending.settle(self._write_one(ending, ending.texts()))
             except Exception as error:
                 if not store.retry_cannot_fix(error):
                     raise
-                self._write_degraded(outcome, error)
+                self._write_degraded(ending, error)
 
-    def _write_degraded(self, outcome: Outcome, error: BaseException) -> None:
-        """Record an outcome whose texts the database refused: texts made ASCII, then without them.
+    def _write_degraded(self, ending: Ending, error: BaseException) -> None:
+        """Record an ending whose texts the database refused: texts made ASCII, then without them.
 
         The first try escapes every non-ASCII character (a 4-byte character in a
         MySQL ``utf8mb3`` column, a character the table's charset lacks); the
         second keeps the status and error type only, the message replaced by a
-        note. If even that is refused, the outcome is given up (ERROR).
+        note. If even that is refused, the ending is given up (ERROR).
         """
-        run = outcome.active.run
-        texts = outcome.texts()
+        run = ending.run
+        texts = ending.texts()
         ascii_texts = {key: value.encode("ascii", "backslashreplace").decode("ascii") for key, value in texts.items()}
         bare = {
             "error_type": ascii_texts["error_type"],
@@ -210,7 +217,7 @@ class Recorder:
         }
         for attempt in (ascii_texts, bare):
             try:
-                outcome.settle(self._write_one(outcome, attempt))
+                result = self._write_one(ending, attempt)
             except Exception as again:
                 if not store.retry_cannot_fix(again):
                     raise
@@ -223,16 +230,14 @@ class Recorder:
                 run.attempt,
                 error,
                 "with its text escaped to ASCII" if attempt is ascii_texts else "without its error message",
-                extra={"job": run.job, "slot": run.slot, "attempt": run.attempt, "instance": self.engine.instance_id},
+                extra={"job": run.job, "slot": run.slot, "attempt": run.attempt, "instance": self.instance_id},
             )
+            ending.settle(result)  # after the log line: whoever waits for the ending finds it logged
             return
-        self._give_up(outcome, error, "nothing could be recorded; another instance will take the run over")
+        self._give_up(ending, error, "nothing could be recorded; another instance will take the run over")
 
-    def _write_one(self, outcome: Outcome, texts: dict[str, str]) -> Any:
-        run_id: int = outcome.active.run.id  # type: ignore[assignment]
-        owner = self.engine.token
-        if outcome.status == HAND_OVER:
-            return store.hand_over(
-                run_id, owner=owner, detail=texts["detail"], max_attempts=self.engine.settings.max_attempts
-            )
-        return store.finish(run_id, owner=owner, status=outcome.status, **texts)
+    def _write_one(self, ending: Ending, texts: dict[str, str]) -> Any:
+        run_id: int = ending.run.id  # type: ignore[assignment]
+        if ending.hand_over:
+            return store.hand_over(run_id, owner=self.token, detail=texts["detail"], max_attempts=ending.max_attempts)
+        return store.finish(run_id, owner=self.token, status=ending.status, **texts)

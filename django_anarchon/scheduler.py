@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 
+from .clock import sleep
 from .conf import check_json, get_settings, problems
 from .exceptions import JobDeclarationError, SettingsError
 from .registry import Declarations, Job, Registry
-from .timing import sleep
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -100,6 +100,13 @@ def start(scheduler: Any, instance_id: str = "engine-test") -> None:
     assert scheduler.wait_started(10)
 
 
+def running_engine(scheduler: Any) -> Any:
+    """The engine of a started scheduler (the one place the tests look inside a Scheduler)."""
+    engine = scheduler._engine
+    assert engine is not None, "the scheduler is not running"
+    return engine
+
+
 def finished(job: str, n: int = 1, timeout: float = 8) -> list[Any]:
     """Wait for ``n`` runs of ``job`` that have ended (any status but running and pending), oldest first."""
     from django_anarchon.models import Run

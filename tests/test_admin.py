@@ -495,3 +495,31 @@ def test_instances_show_heartbeat_age_stale_marker_and_running_runs(admin_client
     assert admin_client.get(url("instance_delete", live.pk)).status_code == 403
     detail = admin_client.get(url("instance_change", live.pk))
     assert detail.status_code == 200 and "long-job" in text(detail) and "other-job" not in text(detail)
+
+
+def test_cancel_pending_runs_needs_its_permission_skips_them_and_logs_who(django_user_model: Any) -> None:
+    from django.contrib.admin.models import LogEntry
+
+    waiting = make_run(status=Status.PENDING, reason=Reason.MANUAL, manual=True, started_at=None, finished_at=None)
+    running = make_run(status=Status.RUNNING, slot=1, finished_at=None)
+    viewer = staff_client(django_user_model, "view_run", username="viewer")
+    assert 'value="cancel"' not in text(viewer.get(url("run_changelist")))
+    viewer.post(url("run_changelist"), {"action": "cancel", "_selected_action": [waiting.pk], "index": "0"})
+    assert Run.objects.get(pk=waiting.pk).status == Status.PENDING, "no permission, no change"
+
+    canceller = staff_client(django_user_model, "cancel_run", username="oncall")
+    page = canceller.get(url("run_changelist"))
+    assert page.status_code == 200 and 'value="cancel"' in text(page), "the cancel permission shows the history"
+    response = canceller.post(
+        url("run_changelist"),
+        {"action": "cancel", "_selected_action": [waiting.pk, running.pk], "index": "0"},
+        follow=True,
+    )
+    messages = [str(m) for m in response.context["messages"]]
+    assert "Cancelled 1 pending run." in messages
+    assert any("1 selected run was not pending" in m for m in messages)
+    cancelled = Run.objects.get(pk=waiting.pk)
+    assert (cancelled.status, cancelled.detail) == (Status.SKIPPED, "cancelled by oncall in the admin")
+    assert Run.objects.get(pk=running.pk).status == Status.RUNNING
+    [entry] = LogEntry.objects.filter(object_id=str(waiting.pk))
+    assert entry.user.get_username() == "oncall" and "cancelled by oncall" in entry.get_change_message()

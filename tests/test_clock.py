@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from django_anarchon.engine import add_clock_sample, clock_offset
+from django_anarchon.clock import add_clock_sample, clock_offset
 from tests.conftest import FAKETIME_LIB
 
 
@@ -58,7 +58,7 @@ def test_sleeping_works_on_a_host_whose_clock_is_skewed_with_libfaketime() -> No
     assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run this test"
     code = (
         "import time\n"
-        "from django_anarchon.timing import sleep\n"
+        "from django_anarchon.clock import sleep\n"
         "try:\n"
         "    time.sleep(0.01)\n"
         "    print('time.sleep works')\n"

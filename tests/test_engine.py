@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from django_anarchon import Context, Interrupted, Scheduler, signals, store
 from django_anarchon.models import Instance, JobState, Run
-from tests.conftest import ON_DEMAND, finished, start, wait_for
+from tests.conftest import ON_DEMAND, finished, running_engine, start, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -616,40 +616,14 @@ def test_the_scheduler_prunes_old_history_itself(sched: Scheduler) -> None:
     assert Run.objects.filter(pk=recent.pk).exists()
 
 
-def test_retried_slots_do_not_leave_stale_entries_in_the_heap(
-    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real = store.decide
-    failures = {"left": 5}
-
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        if failures["left"]:
-            failures["left"] -= 1
-            raise OperationalError("connection refused")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(store, "decide", flaky)
-    for n in range(3):
-        sched.every(f"t{n}", "500ms", lambda ctx: None)
-    start(sched)
-    finished("t0", 3)
-    engine = sched._engine
-    assert engine is not None
-    live = [entry for entry in engine._heap if engine._entry[entry[2]] == entry[1]]
-    assert len(live) == 3, "one live entry per job"
-    assert len(engine._heap) <= 3 + 5 * 3, "stale entries are dropped as they surface, not multiplied"
-    time.sleep(1.5)
-    assert len(engine._heap) <= 6
-
-
 def test_handlers_start_at_their_slot_never_before_even_when_claimed_ahead(sched: Scheduler) -> None:
     starts: list[tuple[int, float]] = []
     for n in range(20):
         sched.every(f"on-time-{n}", "500ms", lambda ctx: starts.append((ctx.slot, time.time())))
     start(sched)
     wait_for(lambda: len(starts) >= 60, 10, what="sixty runs")
-    engine = sched._engine
-    assert engine is not None and engine.claim_ahead_ms >= 5
+    engine = running_engine(sched)
+    assert engine.queue.claim_ahead_ms >= 5
     assert all(started >= slot / 1000 for slot, started in starts), "a handler started before its slot"
     rows = list(Run.objects.filter(job__startswith="on-time-", status="success"))
     assert rows and all(r.started_at >= r.scheduled_at for r in rows)
@@ -664,9 +638,7 @@ def test_claiming_ahead_does_not_skip_the_slot_after_a_run_that_ends_just_in_tim
 
     sched.every("snug", "500ms", nearly_the_interval)
     start(sched)
-    engine = sched._engine
-    assert engine is not None
-    engine._claim_ms = 150.0  # claims 250-270 ms ahead: while the previous run still runs
+    running_engine(sched).claim_ms = 150.0  # claims 250-270 ms ahead: while the previous run still runs
     runs = finished("snug", 8, timeout=10)
     statuses = [r.status for r in runs[2:]]  # the first starts late, at start-up, and may overrun the second
     assert statuses and "skipped" not in statuses, statuses
@@ -693,13 +665,16 @@ def test_the_share_of_a_live_instance_that_never_claims_is_claimed_just_before_t
     for n in range(12):
         sched.every(f"share-{n}", "500ms", lambda ctx: None)
     start(sched)
-    engine = sched._engine
-    assert engine is not None
-    wait_for(lambda: "ghost" in engine._peers and len(engine._peers) == 2, 5, what="the ghost among the live instances")
+    engine = running_engine(sched)
+    wait_for(
+        lambda: "ghost" in engine.shares.peers and len(engine.shares.peers) == 2,
+        5,
+        what="the ghost among the live instances",
+    )
     first = int(time.time() * 1000) // 500 * 500 + 1000
     wait_for(lambda: Run.objects.filter(job="share-0", slot__gte=first + 2000).exists(), 10, what="five instants")
     slots = range(first, first + 2500, 500)
-    ghosts = {(f"share-{n}", s) for n in range(12) for s in slots if not engine._preferred(f"share-{n}", s)}
+    ghosts = {(f"share-{n}", s) for n in range(12) for s in slots if not engine.shares.preferred(f"share-{n}", s)}
     assert 0 < len(ghosts) < 60, "the ghost is preferred for part of every instant"
     wait_for(
         lambda: Run.objects.filter(job__startswith="share-", slot__in=slots, status="success").count() == 60,
@@ -740,8 +715,7 @@ def test_a_handler_that_returns_before_its_timeout_while_starts_are_pending_succ
 
     def just_in_time(ctx: Context) -> None:
         time.sleep(0.25)
-        engine = sched._engine
-        assert engine is not None
+        engine = running_engine(sched)
         engine.runner.starting.add()  # a run of a burst, not started yet: the ending waits for it
         threading.Timer(0.3, engine.runner.starting.begun).start()
 
@@ -793,3 +767,29 @@ def test_with_too_few_workers_every_slot_runs_late_or_is_recorded_skipped(sched:
     assert all("free worker" in r.detail or "still running" in r.detail for r in shed), [r.detail for r in shed]
     late = [r for r in rows.values() if r.status == "success" and (r.started_at - r.scheduled_at).total_seconds() > 0.5]
     assert late, "a slot that waited for the worker ran late, as scheduled"
+
+
+def test_an_instance_learns_of_a_new_peer_when_it_next_claims(monkeypatch: pytest.MonkeyPatch) -> None:
+    from django_anarchon.clock import Clock
+    from django_anarchon.conf import parse
+    from django_anarchon.engine import Engine
+    from django_anarchon.registry import build_job
+
+    class Later(Clock):
+        def monotonic(self) -> float:
+            return time.monotonic() + self.ahead
+
+    clock = Later()
+    clock.ahead = 0.0  # type: ignore[attr-defined]
+    jobs = [build_job("interval", f"job-{n}", "1s", lambda ctx: None, {}) for n in range(30)]
+    engine = Engine(jobs, parse({}), instance_id="peers", clock=clock)
+    monkeypatch.setattr(store, "decide", lambda claims, catch_ups, **kwargs: store.Outcome())
+    monkeypatch.setattr(store, "live_instances", lambda within: [engine.token])
+    engine.dispatch_due()
+    assert engine.shares.peers == (engine.token,), "alone, it prefers every slot"
+    monkeypatch.setattr(store, "live_instances", lambda within: [engine.token, "newcomer"])
+    engine.dispatch_due()
+    assert engine.shares.peers == (engine.token,), "read again only PEERS_REFRESH_S later"
+    clock.ahead = 2.0  # type: ignore[attr-defined]
+    engine.dispatch_due()
+    assert engine.shares.peers == tuple(sorted([engine.token, "newcomer"]))

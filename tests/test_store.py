@@ -740,7 +740,7 @@ def test_skip_locked_leaves_a_job_held_elsewhere_undecided_instead_of_waiting() 
 
     def hold_the_job() -> None:
         with transaction.atomic():
-            store._lock_jobs(["job"])
+            store.lock_jobs(["job"])
             held.set()
             release.wait(5)
         connections.close_all()
@@ -847,7 +847,7 @@ def test_a_claim_that_waited_for_a_job_row_held_by_no_claim_wins_once_it_is_rele
     _wait_long(monkeypatch)
     job = make_job()
     store.ensure_jobs([job])
-    with _holding(lambda: store._lock_jobs(["job"])):
+    with _holding(lambda: store.lock_jobs(["job"])):
         started = time.monotonic()
         outcome = decide([store.Claim(job, SLOT)], owner="waiter", skip_locked=True)
         waited = time.monotonic() - started

@@ -257,7 +257,7 @@ def test_a_claimer_idle_in_its_transaction_loses_its_locks_after_about_a_lease()
         try:
             store.limit_idle_transactions(1.0)
             with transaction.atomic():
-                store._lock_jobs(["job"])
+                store.lock_jobs(["job"])
                 locked.set()
                 time.sleep(6)  # frozen: no statement, the transaction left open
         except BaseException as error:  # noqa: B036 - the server ended the session, as it should

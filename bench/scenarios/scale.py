@@ -22,7 +22,7 @@ from bench import jobset, recorder
 from bench.cluster import Cluster
 from bench.context import Context, reset_database
 from django_anarchon import Scheduler
-from django_anarchon.engine import plan_due
+from django_anarchon.slots import plan_due
 
 FIRES = 5000
 MAX_FIRES = 60_000

@@ -6,8 +6,9 @@
 * ``JobState.declared_at``: the pending and running rows of a job that no instance
   has declared for a while are closed instead of waiting for ever.
 * The partial index ``anarchon_run_active`` (created as raw SQL by 0004 on
-  PostgreSQL) moves into ``Run.Meta.indexes``, built on ``models.ACTIVE``; SQLite
-  gets it too, MariaDB has no partial indexes.
+  PostgreSQL) moves into ``Run.Meta.indexes`` (``models.ActiveRunsIndex``, built on
+  ``models.ACTIVE``); SQLite gets it too, MariaDB, which has no partial indexes, a
+  plain index on the job.
 * The ``cancel_run`` permission, for the admin's "Cancel" action on pending runs.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 from django.db import migrations, models
 
+import django_anarchon.models
 from django_anarchon.store.schema import install_claim_function
 
 
@@ -58,7 +60,7 @@ class Migration(migrations.Migration):
         migrations.RunPython(drop_raw_index, create_raw_index, elidable=False),
         migrations.AddIndex(
             model_name='run',
-            index=models.Index(condition=models.Q(('status', 'running'), models.Q(('attempt__gt', 1), ('status', 'pending')), _connector='OR'), fields=['job'], name='anarchon_run_active'),
+            index=django_anarchon.models.ActiveRunsIndex(name='anarchon_run_active'),
         ),
         migrations.RunPython(install_claim_function(4), install_claim_function(3), elidable=False),
     ]

@@ -29,11 +29,10 @@ The rules, which every function below follows:
 from __future__ import annotations
 
 from ..dbtime import DbNow, db_in
+from ..slots import CatchUp, Claim
 from .base import (
     CATCH_UP_LIMIT,
     NOTIFY_CHANNEL,
-    CatchUp,
-    Claim,
     Outcome,
     Poll,
     alias,
@@ -43,8 +42,7 @@ from .base import (
     slot_datetime,
     storable_text,
 )
-from .base import _lock_jobs as _lock_jobs
-from .claims import cancel_pending, claim_manual, claim_pending, create_manual, decide, poll
+from .claims import decide
 from .housekeeping import (
     close_undeclared,
     database_time,
@@ -57,6 +55,8 @@ from .housekeeping import (
     unregister_instance,
 )
 from .leases import finish, finish_many, hand_over, renew, save_progress, take_over
+from .pending import cancel_pending, claim_manual, claim_pending, create_manual, poll
+from .statements import lock_jobs
 
 __all__ = [
     "CATCH_UP_LIMIT",
@@ -82,6 +82,7 @@ __all__ = [
     "heartbeat",
     "limit_idle_transactions",
     "live_instances",
+    "lock_jobs",
     "notify",
     "poll",
     "prune",

@@ -6,7 +6,7 @@ import functools
 import logging
 import random
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -23,10 +23,11 @@ from django.db import (
 )
 from django.db.models import Max
 
+from ..clock import sleep
 from ..dbtime import DbNow
-from ..models import JobState, Reason, Run, Status
+from ..models import Run, Status
 from ..registry import Job
-from ..timing import sleep
+from ..slots import Claim
 
 logger = logging.getLogger("django_anarchon")
 UTC = timezone.utc
@@ -64,19 +65,6 @@ def _iso(slot: int) -> str:
     return slot_datetime(slot).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
 
 
-@dataclass(frozen=True)
-class Claim:
-    """A slot this instance wants decided: run it, skip it, queue it, or nothing (paused)."""
-
-    job: Job
-    slot: int
-    reason: str = Reason.SCHEDULED
-    # catch_up="all": when the job is busy, wait as a pending run instead of being skipped.
-    wait: bool = False
-    # Due with no free worker until the job's next slot came: recorded skipped if still undecided.
-    shed: bool = False
-
-
 def first_attempt(claim: Claim, status: str, *, instance_id: str, owner: str, data: Any, **fields: Any) -> Run:
     """The row of the first attempt at ``claim``'s slot (not saved), with ``fields`` on top."""
     return Run(
@@ -92,14 +80,6 @@ def first_attempt(claim: Claim, status: str, *, instance_id: str, owner: str, da
         data=data,
         **fields,
     )
-
-
-@dataclass(frozen=True)
-class CatchUp:
-    """A job whose slots up to ``until`` may have been missed by the whole cluster."""
-
-    job: Job
-    until: int
 
 
 @dataclass
@@ -205,32 +185,6 @@ def notify(payload: str = "") -> None:
         return
     with connections[alias()].cursor() as cursor:
         cursor.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, payload])
-
-
-def _lock_jobs(names: Sequence[str], *, skip_locked: bool = False) -> dict[str, JobState]:
-    """Lock the JobState rows of ``names`` (creating missing ones) and return the locked ones.
-
-    Must be the first statement of its transaction (see the module docstring).
-    With ``skip_locked`` (PostgreSQL and MariaDB only), rows another
-    transaction holds are left out instead of waited for: the caller leaves
-    those jobs to be retried, rather than queueing behind an instance that is
-    deciding the very same slots.
-    """
-    from . import statements  # statements imports this module
-
-    names = sorted(set(names))
-    db = alias()
-    states = JobState.objects.using(db)
-    skip = skip_locked and _vendor() != "sqlite" and connections[db].features.has_select_for_update_skip_locked
-    found = statements.lock_states(names, skip_locked=skip)
-    missing = [n for n in names if n not in found]
-    if skip and missing:
-        held_elsewhere = set(states.filter(name__in=missing).values_list("name", flat=True))
-        missing = [n for n in missing if n not in held_elsewhere]
-    if missing:
-        states.bulk_create([JobState(name=n, first_seen=DbNow()) for n in missing], ignore_conflicts=True)
-        found.update(statements.lock_states(missing, skip_locked=skip))
-    return found
 
 
 def _resolved_data(job: Job, default: Any) -> Any:

@@ -1,12 +1,12 @@
 """The statements every claim sends, written once as parameterised SQL.
 
 A scheduled claim runs on every slot of every job, so it is the one place
-where building querysets costs more than the database work: a one-slot claim
-spent ~4 ms of Python in Django's query compiler against well under 1 ms in
-PostgreSQL. Here the SQL text is put together from the models' own table and
-column names and each backend's own clauses (``FOR UPDATE``, ``INSERT IGNORE``
-/ ``ON CONFLICT DO NOTHING``); values go as parameters, adapted by the model
-fields; the database clock is :class:`~.base.DbNow` compiled by Django; rows
+where building querysets cost more than the database work (Django's query
+compiler took several times the database's time; docs/performance.md).
+Here the SQL text is put together from the models' own table and column
+names and each backend's own clauses (``FOR UPDATE``, ``INSERT IGNORE`` /
+``ON CONFLICT DO NOTHING``); values go as parameters, adapted by the model
+fields; the database clock is :class:`~..dbtime.DbNow` compiled by Django; rows
 come back as model instances through ``Model.objects.raw()``, with Django's
 converters applied. The rules of the package docstring hold unchanged: these
 are the same statements the querysets produced, minus the read-back that
@@ -29,7 +29,8 @@ from django.db.models.sql import Query
 
 from ..dbtime import DbNow
 from ..models import JobState, Reason, Run, Status
-from .base import Claim, Outcome, _resolved_data, alias, first_attempt, logger
+from ..slots import Claim
+from .base import Outcome, _resolved_data, _vendor, alias, first_attempt, logger
 from .schema import CLAIM_FUNCTION
 
 _ACTIVE = (Status.RUNNING, Status.PENDING)
@@ -53,8 +54,8 @@ def _kept_cursor(db: str) -> CursorWrapper:
     """A cursor of this thread's connection ``db``, kept for the next claim.
 
     Making a cursor (Django's wrapper, psycopg's cursor and the loaders of its
-    result columns) took ~15 µs of the ~105 µs of client CPU a lost claim
-    cost; the statement itself still goes through Django's wrapper, so users'
+    result columns) was a sizeable part of a lost claim's client CPU; the
+    statement itself still goes through Django's wrapper, so users'
     ``execute_wrapper`` instrumentation sees every claim. A new cursor is made
     when the connection was closed or replaced, or when query logging was
     turned on or off (``DEBUG``, ``CaptureQueriesContext``), so that logged
@@ -130,7 +131,7 @@ def decided(names: Sequence[str], slots: Sequence[int]) -> set[tuple[str, int]]:
 
 
 def lock_states(names: Sequence[str], *, skip_locked: bool) -> dict[str, JobState]:
-    """Lock and read the existing JobState rows of ``names`` (see ``base._lock_jobs``).
+    """Lock and read the existing JobState rows of ``names`` (see :func:`lock_jobs`).
 
     PostgreSQL and MariaDB: ``SELECT ... ORDER BY name FOR UPDATE [SKIP LOCKED]``.
     SQLite: an UPDATE of ``lock_seq`` first, which takes the database write lock.
@@ -332,7 +333,7 @@ def claim_scheduled(
     data = {c.job.name: _resolved_data(c.job, default_data) for c in ordered}
     params: list[Any] = [
         # Array literals written here: adapting Python lists took psycopg longer than the
-        # rest of the call's client side (~0.1 ms a claim).
+        # rest of the call's client side.
         _text_array(c.job.name for c in ordered),
         "{" + ",".join(str(int(c.slot)) for c in ordered) + "}",
         "{" + ",".join("t" if c.job.overlap == "allow" else "f" for c in ordered) + "}",
@@ -392,3 +393,27 @@ def claim_scheduled(
             outcome.won.append(run)
     outcome.busy.sort()
     return outcome, undecided
+
+
+def lock_jobs(names: Sequence[str], *, skip_locked: bool = False) -> dict[str, JobState]:
+    """Lock the JobState rows of ``names`` (creating missing ones) and return the locked ones.
+
+    Must be the first statement of its transaction (see the module docstring).
+    With ``skip_locked`` (PostgreSQL and MariaDB only), rows another
+    transaction holds are left out instead of waited for: the caller leaves
+    those jobs to be retried, rather than queueing behind an instance that is
+    deciding the very same slots.
+    """
+    names = sorted(set(names))
+    db = alias()
+    states = JobState.objects.using(db)
+    skip = skip_locked and _vendor() != "sqlite" and connections[db].features.has_select_for_update_skip_locked
+    found = lock_states(names, skip_locked=skip)
+    missing = [n for n in names if n not in found]
+    if skip and missing:
+        held_elsewhere = set(states.filter(name__in=missing).values_list("name", flat=True))
+        missing = [n for n in missing if n not in held_elsewhere]
+    if missing:
+        states.bulk_create([JobState(name=n, first_seen=DbNow()) for n in missing], ignore_conflicts=True)
+        found.update(lock_states(missing, skip_locked=skip))
+    return found

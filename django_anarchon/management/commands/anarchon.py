@@ -157,8 +157,8 @@ def _freeze_startup_objects() -> None:
     """Leave what start-up created (Django, the project's modules, the jobs) out of garbage collections.
 
     Those objects live as long as the process. In a Django process a full
-    collection scans them all, which takes 15-20 ms on a small project; one that
-    struck when runs were due delayed every handler of that instant by as much.
+    collection scans them all, and one that struck when runs were due delayed
+    every handler of that instant by as long as it took (docs/performance.md).
     ``gc.freeze()`` moves them to the permanent generation, which no collection
     scans. This process is ours; an embedded :meth:`Scheduler.start` leaves the
     host's collector alone.

@@ -11,7 +11,7 @@ Every claim decided is one decision: won, or lost to the client that got there f
 ``--mode setup`` creates the job rows first, once, as an instance does when it starts.
 
 With ``--share-out N --index I`` the client claims as an instance of an N-instance cluster
-does (the engine's ``share_ranks`` and ``share_index``, which ``Engine._preferred`` uses): of
+does (the engine's ``share_ranks`` and ``share_index``, which ``ShareOut.preferred`` uses): of
 each batch it first claims the slots dealt to it, and the rest ``SHARE_LAG`` batches later (the engine's
 backup look just before the slot), when their own client has usually decided them and the
 look finds them taken. The batches are the clients' common clock, as the wall clock is the
@@ -50,6 +50,11 @@ from django.db import DatabaseError, connection
 
 from django_anarchon import Scheduler, engine, store
 
+try:
+    from django_anarchon import slots as sharing
+except ImportError:  # engines from before the core was reshaped kept the share-out in engine.py
+    sharing = engine  # type: ignore[assignment]
+
 # With --share-out: how many batches later a client looks at the slots dealt to other clients.
 SHARE_LAG = 50
 # With --share-out: how many batches a client may be ahead of the slowest one (see _Progress).
@@ -63,7 +68,7 @@ def _look_window() -> int:
     (the least first lead, ``BACKUP_AHEAD_MS + BACKUP_WINDOW_MS + 40``, less the backup
     lead); the window is the same share of it: 16 batches. Engines without it: 0.
     """
-    window_ms = getattr(engine, "BACKUP_WINDOW_MS", 0)
+    window_ms = getattr(sharing, "BACKUP_WINDOW_MS", 0)
     return SHARE_LAG * window_ms // (window_ms + 40)
 
 
@@ -121,10 +126,10 @@ class Command(BaseCommand):
         The engine's own functions; engines from before the share-out have none and raced for
         every slot, and those that hashed each (job, slot) had no ``share_ranks``.
         """
-        share_index = getattr(engine, "share_index", None)
+        share_index = getattr(sharing, "share_index", None)
         if count < 2 or share_index is None:
             return None
-        share_ranks = getattr(engine, "share_ranks", None)
+        share_ranks = getattr(sharing, "share_ranks", None)
         if share_ranks is None:
             return lambda name, slot: share_index(name, slot, count) == index
         ranks = share_ranks(job.name for job in jobs)

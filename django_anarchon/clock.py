@@ -1,0 +1,105 @@
+"""Time for the scheduler: the database-aligned clock and the estimate of its offset (pure).
+
+Nothing here touches the database: the engine measures round trips and hands the
+samples to :class:`ClockEstimate`, which says how far this host's clock is from
+the database's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+
+def sleep(seconds: float) -> None:
+    """``time.sleep()`` through a condition wait.
+
+    Under libfaketime with ``FAKETIME_DONT_FAKE_MONOTONIC=1`` (the usual way to
+    skew a host's clock in tests) ``time.sleep()`` fails with ``EINVAL``, while
+    condition waits, which every other wait in the scheduler uses, work.
+    """
+    if seconds > 0:
+        threading.Event().wait(seconds)
+
+
+class Clock:
+    """Wall and monotonic time; ``offset_ms`` corrects the wall clock to the database's."""
+
+    # A change of the wall clock against the monotonic one beyond this is a step
+    # (NTP, an operator, a VM resumed), not drift.
+    STEP_S = 0.05
+
+    def __init__(self) -> None:
+        self.offset_ms = 0.0
+        self._wall_minus_monotonic = time.time() - time.monotonic()
+
+    def now_ms(self) -> int:
+        return int(self.exact_ms())
+
+    def exact_ms(self) -> float:
+        """The database-corrected time in ms, with the fraction (for waiting until an instant)."""
+        return time.time() * 1000 + self.offset_ms
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def stepped(self) -> float:
+        """By how many seconds the wall clock was stepped since the last call (0.0 if it was not)."""
+        now = time.time() - time.monotonic()
+        step = now - self._wall_minus_monotonic
+        self._wall_minus_monotonic = now
+        return step if abs(step) > self.STEP_S else 0.0
+
+
+def _uncertainty_ms(rtt: float) -> float:
+    """How far a clock sample's offset can be from the truth: half its round trip, plus 1 ms of resolution."""
+    return rtt / 2 + 1.0
+
+
+def clock_offset(samples: Iterable[tuple[float, float]]) -> float:
+    """The database clock minus this host's, in ms, from ``(round trip, offset)`` samples.
+
+    Estimated like NTP: the sample with the shortest round trip. An offset within
+    its uncertainty (half the round trip, plus a millisecond) is noise on a host
+    whose clock agrees with the database's and counts as zero; a larger one is used
+    as measured, not shrunk toward zero, so that a skewed host is neither early nor
+    late by a systematic margin and races its peers for slots on equal terms.
+    """
+    rtt, offset = min(samples)
+    return offset if abs(offset) > _uncertainty_ms(rtt) else 0.0
+
+
+def add_clock_sample(samples: list[tuple[float, float]], sample: tuple[float, float]) -> list[tuple[float, float]]:
+    """The recent ``(round trip, offset)`` samples to estimate from, with ``sample`` added.
+
+    The database's timestamp was taken during the round trip, so each sample
+    bounds the true offset to its offset ± its uncertainty. A new sample whose
+    bounds do not meet the current best sample's means one of the clocks was
+    stepped (NTP, an operator): the older samples describe a clock that no longer
+    exists and are dropped, rather than outvoting the new one for the next eight
+    measurements.
+    """
+    if samples:
+        best_rtt, best = min(samples)
+        rtt, offset = sample
+        if abs(offset - best) > _uncertainty_ms(best_rtt) + _uncertainty_ms(rtt):
+            return [sample]
+    return [*samples[-7:], sample]
+
+
+class ClockEstimate:
+    """The recent samples of the database clock and the offset they give."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+
+    def add(self, sent_s: float, received_s: float, database_s: float) -> float:
+        """Add a sample (this host's wall times around the round trip, the database's reading); the offset in ms."""
+        sample = ((received_s - sent_s) * 1000, database_s * 1000 - (sent_s + received_s) * 500)
+        self.samples = add_clock_sample(self.samples, sample)
+        return clock_offset(self.samples)
+
+    def forget(self) -> None:
+        """Drop the samples (this host's clock was stepped: they describe a clock that no longer exists)."""
+        self.samples = []

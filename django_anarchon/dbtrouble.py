@@ -1,0 +1,91 @@
+"""What every scheduler thread does when the database fails it: reset the connection, log once, back off.
+
+The loop, the lease keeper, the recorder and the listener each have one
+:class:`DbTrouble`. An outage is logged when it starts and again when the
+thread has gone a whole turn without a database error, never per retry; the
+back-off doubles, with jitter, up to five seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, connections
+
+T = TypeVar("T")
+logger = logging.getLogger("django_anarchon")
+
+
+class _Failed:
+    def __repr__(self) -> str:
+        return "<FAILED>"
+
+
+# What DbTrouble.call() returns when the call raised a database error.
+FAILED: Any = _Failed()
+MAX_BACKOFF_S = 5.0
+
+
+def reset_connection(alias: str) -> None:
+    """Drop this thread's connection to ``alias`` so that the next query reconnects."""
+    connection = connections[alias]
+    try:
+        connection.close()
+    except Exception:
+        connection.connection = None
+
+
+class DbTrouble:
+    """One thread's database-error policy: ``call`` store functions, ``end_turn`` after each turn."""
+
+    def __init__(self, what: str, instance_id: str, alias: Callable[[], str]) -> None:
+        self.what = what  # e.g. "the loop", "lease renewals": said in the log lines
+        self.instance_id = instance_id
+        self._alias = alias
+        self.backoff = 0.0
+        self.down_since: float | None = None
+        self._failed_this_turn = False
+
+    def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call ``function``; on a database error note it (see :meth:`failed`) and return ``FAILED``."""
+        try:
+            return function(*args, **kwargs)
+        except DatabaseError as error:
+            self.failed(error)
+            return FAILED  # type: ignore[no-any-return]
+
+    def failed(self, error: BaseException) -> None:
+        """A database error: drop the connection, and log it if it starts an outage."""
+        reset_connection(self._alias())
+        self._failed_this_turn = True
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            logger.warning(
+                "Database error on %s in %s (%s: %s); retrying with backoff",
+                self.instance_id,
+                self.what,
+                type(error).__name__,
+                error,
+                extra={"instance": self.instance_id},
+            )
+
+    def end_turn(self) -> None:
+        """A turn is over: back off further if it failed, else say the database is back (once)."""
+        if self._failed_this_turn:
+            self.backoff = min(max(0.1, self.backoff * 2), MAX_BACKOFF_S) * random.uniform(0.8, 1.2)  # noqa: S311
+        else:
+            if self.down_since is not None:
+                logger.warning(
+                    "Database is back on %s for %s after %.1fs",
+                    self.instance_id,
+                    self.what,
+                    time.monotonic() - self.down_since,
+                    extra={"instance": self.instance_id},
+                )
+                self.down_since = None
+            self.backoff = 0.0
+        self._failed_this_turn = False

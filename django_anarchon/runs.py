@@ -1,0 +1,501 @@
+"""The runs an instance holds, and the one place where an attempt ends.
+
+:class:`RunTable` keeps the held runs (:class:`ActiveRun`) and says how many
+more may start (``MAX_WORKERS``). Every way an attempt can end goes through it,
+in one order: who ends it is decided under the run's lock (the first to call
+:meth:`ActiveRun.begin_finish`), then the end is recorded (through the
+recorder), then the signal is sent, then the one log line is written.
+
+=====================  ==================================================  ============================
+how it ends            recorded                                            signal
+=====================  ==================================================  ============================
+handler returned       ``success`` (``failed``/TimeoutError if it overran)  ``run_succeeded``/``run_failed``
+handler raised         ``failed``                                          ``run_failed``
+timed out              ``failed`` with ``TimeoutError``                    ``run_failed``
+stop(), raised/ended   ``interrupted``, next attempt pending (hand-over)   ``run_interrupted``
+lost / fenced          nothing (another instance records it)               none
+last allowed attempt   ``failed`` with ``AttemptsExhausted``               ``run_failed``
+=====================  ==================================================  ============================
+
+Longer than most parts on purpose: every ending is here, so that they are
+decided, recorded, signalled and logged the same way.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connections
+
+from . import signals, store
+from .conf import AnarchonSettings
+from .exceptions import AttemptsExhausted, Interrupted
+from .models import Run, Status
+from .recorder import Ending, Recorder
+from .registry import Job
+from .signal import AbortSignal
+
+logger = logging.getLogger("django_anarchon")
+MAX_MESSAGE = 10_000
+MAX_TRACEBACK = 100_000
+
+
+class Phase(str, enum.Enum):
+    """Where an attempt this instance holds stands (not a run status: it never reaches the database)."""
+
+    RUNNING = "running"  # held: nobody has begun ending it
+    FINISHING = "finishing"  # someone is ending it (recording its end)
+    DONE = "done"  # ended; its lease is no longer renewed
+
+
+# How loud the end line of a run is, by the status recorded (anything else: INFO).
+END_LEVELS: dict[str, int] = {Status.FAILED: logging.ERROR, Status.INTERRUPTED: logging.WARNING}
+# An attempt's cause of ending, as log lines say it ("Run ended after it was timed out").
+CAUSE_WORDS = {"stop": "stopped", "timeout": "timed out", "lost": "lost", "fenced": "fenced"}
+
+
+class ActiveRun:
+    """A run this process holds: its signal, lease bookkeeping and end state.
+
+    Exactly one party ends a run (the handler's thread, the timeout, a lost or
+    fenced lease, or a forced hand-over at stop); :meth:`begin_finish` decides
+    which, under a lock.
+    """
+
+    def __init__(self, run: Run, job: Job, renewed_at: float) -> None:
+        self.run = run
+        self.job = job
+        self.signal = AbortSignal()
+        self.renewed_at = renewed_at  # monotonic time the last committed renewal was sent
+        self.started = time.monotonic()
+        self.deadline: float | None = None  # set when the handler starts (a run may be claimed ahead)
+        self.returned = False  # the handler is over (or never started): no longer uses a worker
+        self.returned_at: float | None = None  # monotonic time it did
+        self.cause: str | None = None
+        self.finished = threading.Event()  # set when its worker is done with it
+        self._state = Phase.RUNNING
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<ActiveRun {self.run.job} slot={self.run.slot} attempt={self.run.attempt} {self._state.value}>"
+
+    @property
+    def state(self) -> Phase:
+        return self._state
+
+    def begin_finish(self) -> bool:
+        """Claim the right to end this run; False if someone else already did."""
+        with self._lock:
+            if self._state is not Phase.RUNNING:
+                return False
+            self._state = Phase.FINISHING
+            return True
+
+    def done(self) -> None:
+        with self._lock:
+            self._state = Phase.DONE
+
+    def overran(self) -> bool:
+        """Whether the handler was still running when its timeout passed (decided by what came first)."""
+        if self.deadline is None or self.cause == "stop":
+            return False  # no timeout, or stop() came first: stopping decides, not the timeout
+        return self.returned_at is None or self.returned_at >= self.deadline
+
+    def abort(self, cause: str, reason: BaseException) -> None:
+        """Abort the signal, remembering why (the first cause wins, like the signal's reason)."""
+        with self._lock:
+            if self.signal.aborted:
+                return
+            self.cause = cause
+        self.signal.abort(reason)
+
+
+def describe_error(error: BaseException) -> tuple[str, str, str]:
+    """(type, message, traceback) of ``error``, bounded so a huge one cannot swamp the table."""
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    try:
+        message = str(error)
+    except Exception:  # a broken __str__ must not lose the record
+        message = f"<unprintable {name}>"
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE] + f"… [{len(message) - MAX_MESSAGE} more characters]"
+    text = "".join(traceback.format_exception(kind, error, error.__traceback__))
+    if len(text) > MAX_TRACEBACK:
+        text = text[: MAX_TRACEBACK // 2] + "\n… [traceback cut] …\n" + text[-MAX_TRACEBACK // 2 :]
+    return name, message, text
+
+
+def log_fields(run: Run, instance_id: str) -> dict[str, Any]:
+    """The structured fields of every log record about a run."""
+    return {
+        "job": run.job,
+        "slot": run.slot,
+        "attempt": run.attempt,
+        "reason": run.reason,
+        "instance": instance_id,
+        "run_id": run.id,
+    }
+
+
+def timeout_error(active: ActiveRun) -> TimeoutError:
+    seconds = (active.job.timeout_ms or 0) / 1000
+    return TimeoutError(f"Job {active.job.name!r} ran past its timeout of {seconds:g}s")
+
+
+def describe_loss(row: Run) -> str:
+    if row.status == Status.INTERRUPTED and "replaced" in row.detail:
+        return f"it was replaced: {row.detail}"
+    if row.status == Status.RUNNING:
+        return "its lease expired before it could be renewed"
+    return f"another instance recorded it as {row.status}" + (f" ({row.detail})" if row.detail else "")
+
+
+class RunTable:
+    """The runs this instance holds, their capacity, and every ending."""
+
+    def __init__(
+        self,
+        settings: AnarchonSettings,
+        instance_id: str,
+        recorder: Recorder,
+        outbox: Callable[..., None],
+        *,
+        on_exit: Callable[[ActiveRun], None] = lambda active: None,
+        on_returned: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.settings = settings
+        self.instance_id = instance_id
+        self.recorder = recorder
+        # Sends a signal from a thread that is not the loop's (the project's receivers must not delay claims).
+        self.outbox = outbox
+        self.on_exit = on_exit  # a run's worker is done with it: its job and a worker are free
+        self.on_returned = on_returned  # a handler returned: a worker is free
+        self._active: dict[int, ActiveRun] = {}
+        self._lock = threading.Lock()
+
+    # -- the table -------------------------------------------------------------------------
+
+    def add(self, active: ActiveRun) -> None:
+        with self._lock:
+            self._active[active.run.id] = active  # type: ignore[index]
+
+    def get(self, run_id: int | None) -> ActiveRun | None:
+        with self._lock:
+            return self._active.get(run_id)  # type: ignore[arg-type]
+
+    def all(self) -> list[ActiveRun]:
+        with self._lock:
+            return list(self._active.values())
+
+    def capacity(self) -> int:
+        """How many more runs may start here: ``MAX_WORKERS`` less the runs whose handler has not returned."""
+        with self._lock:
+            return self.settings.max_workers - sum(1 for active in self._active.values() if not active.returned)
+
+    def returned(self, active: ActiveRun) -> None:
+        """The run's handler is over: its worker no longer counts against ``MAX_WORKERS``.
+
+        Its end may still be waiting to be recorded; the lease stays renewed until it is.
+        """
+        active.returned_at = time.monotonic()
+        active.returned = True
+        self.on_returned()
+
+    def exited(self, active: ActiveRun) -> None:
+        """The run's worker is done with it."""
+        active.finished.set()
+        with self._lock:
+            self._active.pop(active.run.id, None)  # type: ignore[arg-type]
+        self.on_exit(active)
+
+    # -- endings decided here --------------------------------------------------------------
+
+    def finish(self, active: ActiveRun, error: BaseException | None, *, started: bool = True) -> None:
+        """End a run whose handler returned (``error`` None) or raised, or that never started."""
+        if not active.begin_finish():
+            cause = CAUSE_WORDS.get(active.cause or "", "ended")
+            if started:
+                self._log_end(active, f"ended after it was {cause}", after="; its end changes nothing")
+            else:
+                self._log_end(active, f"not started: it was {cause} before its slot", level=logging.WARNING)
+            return
+        try:
+            if error is not None and active.signal.aborted and active.cause == "stop":
+                self._hand_over(active, error)
+            elif error is None and active.overran():
+                # It returned after its deadline, before the watchdog came round: the timeout came first.
+                self._record(active, Status.FAILED, timeout_error(active))
+            elif error is None:
+                self._record(active, Status.SUCCESS, None)
+            else:
+                self._record(active, Status.FAILED, error)
+        finally:
+            active.done()
+
+    def lose(self, active: ActiveRun, why: str) -> None:
+        """This process no longer holds ``active``: abort its handler, record nothing."""
+        if not active.begin_finish():
+            return
+        active.abort("lost", Interrupted(f"this instance no longer holds the run: {why}"))
+        active.done()
+        run = active.run
+        logger.warning(
+            "Lost %s slot=%s attempt=%d: %s",
+            run.job,
+            run.slot,
+            run.attempt,
+            why,
+            extra=log_fields(run, self.instance_id),
+        )
+
+    def lose_id(self, run_id: int | None, why: str) -> None:
+        active = self.get(run_id)
+        if active is not None:
+            self.lose(active, why)
+
+    def fence_overdue(self) -> None:
+        """Give up every run whose lease we could not renew in time (see :meth:`fence_if_overdue`)."""
+        now = time.monotonic()
+        for active in self.all():
+            self.fence_if_overdue(active, now)
+
+    def fence_if_overdue(self, active: ActiveRun, now: float | None = None) -> None:
+        """Give up ``active`` if its lease could not be renewed in time.
+
+        Judged on this host's monotonic clock from the last renewal that
+        committed: the lease lasts at least ``LEASE_TTL`` from when that
+        renewal was sent, so aborting at ``fence_after`` (80 % of it) tells
+        the handler to stop before any backup may take the run over.
+        """
+        now = time.monotonic() if now is None else now
+        if active.state is not Phase.RUNNING or now < active.renewed_at + self.settings.fence_after:
+            return
+        if not active.begin_finish():
+            return
+        silent = now - active.renewed_at
+        active.abort(
+            "fenced",
+            Interrupted(
+                f"could not renew the lease for {silent:.1f}s (database unreachable or too slow); "
+                "stopping before another instance may take the run over"
+            ),
+        )
+        active.done()
+        run = active.run
+        logger.warning(
+            "Fenced %s slot=%s attempt=%d: no lease renewal for %.1fs",
+            run.job,
+            run.slot,
+            run.attempt,
+            silent,
+            extra=log_fields(run, self.instance_id),
+        )
+
+    def time_out_overdue(self, now: float) -> None:
+        """End the runs whose handler was still running at its deadline, and only those.
+
+        Not a handler that returned before its deadline (its ending may wait a
+        moment behind a burst of starts), nor one that ``stop()`` aborted first
+        (its grace period decides: it is handed over). The end is recorded on a
+        thread of its own, so that the watchdog never waits for the database.
+        """
+        for active in self.all():
+            if (
+                active.deadline is not None
+                and now >= active.deadline
+                and active.state is Phase.RUNNING
+                and active.overran()
+                and active.begin_finish()
+            ):
+                error = timeout_error(active)
+                active.abort("timeout", error)
+                threading.Thread(
+                    target=self._record_timeout, args=(active, error), name="anarchon-timeout", daemon=True
+                ).start()
+
+    def _record_timeout(self, active: ActiveRun, error: TimeoutError) -> None:
+        try:
+            self._record(active, Status.FAILED, error)
+        finally:
+            active.done()
+            connections.close_all()  # this thread's own
+            self.on_exit(active)  # not exited: the handler may still hold its worker; the job is free
+
+    def stop(self, instance_id: str) -> None:
+        """Abort every handler's signal: the scheduler is stopping."""
+        reason = Interrupted(
+            f"the scheduler on {instance_id} is stopping (stop(), SIGTERM or SIGINT); "
+            "raise to hand the run over, return if it is done"
+        )
+        for active in self.all():
+            active.abort("stop", reason)
+
+    def hand_over_stragglers(self, grace: float) -> bool:
+        """Hand over the runs whose handler outlived the stop's grace period; True if there were none."""
+        clean = True
+        for active in self.all():
+            if active.state is Phase.RUNNING and active.begin_finish():
+                clean = False
+                logger.warning(
+                    "Handler of %s slot=%s did not end within the %.1fs grace period; handing the run over",
+                    active.run.job,
+                    active.run.slot,
+                    grace,
+                    extra=log_fields(active.run, self.instance_id),
+                )
+                try:
+                    self._hand_over(active, None)
+                finally:
+                    active.done()
+        return clean
+
+    # -- endings decided elsewhere (the loop's claims and takeovers) -----------------------
+
+    def interrupted_elsewhere(self, rows: list[Run]) -> None:
+        """Runs a claim just recorded interrupted (``overlap="replace"``): abort ours, signal."""
+        for row in rows:
+            self.outbox(signals.run_interrupted, run=row, exception=None)
+            self.lose_id(row.id, f"it was {describe_loss(row)}")
+
+    def skipped(self, rows: list[Run]) -> None:
+        """Slots a claim just recorded skipped (the job was busy, or no free worker)."""
+        for row in rows:
+            logger.warning(
+                "Run skipped: %s slot=%s (%s)",
+                row.job,
+                row.slot,
+                row.detail,
+                extra={**log_fields(row, self.instance_id), "status": row.status},
+            )
+            self.outbox(signals.run_skipped, run=row)
+
+    def taken_over(self, old: Run, new: Run | None, starts_here: bool) -> None:
+        """This instance took over ``old`` (its lease expired): ``new`` is the next attempt, or None (given up)."""
+        self.lose_id(old.id, "its lease expired and another attempt started")
+        if new is None:
+            self._gave_up(old)
+            return
+        logger.warning(
+            "Took over %s slot=%s: attempt %d on %s stopped renewing its lease; attempt %d %s",
+            old.job,
+            old.slot,
+            old.attempt,
+            old.instance_id or "?",
+            new.attempt,
+            "starts here" if starts_here else "is pending",
+            extra={**log_fields(old, self.instance_id), "status": old.status},
+        )
+        self.outbox(signals.run_interrupted, run=old, exception=None)
+
+    def _gave_up(self, old: Run) -> None:
+        logger.error(
+            "Gave up %s slot=%s: %s",
+            old.job,
+            old.slot,
+            old.error_message,
+            extra={**log_fields(old, self.instance_id), "status": old.status},
+        )
+        self.outbox(signals.run_failed, run=old, exception=AttemptsExhausted(old.error_message))
+
+    # -- recording -------------------------------------------------------------------------
+
+    def _ending(self, active: ActiveRun, **fields: Any) -> Ending:
+        ttl = self.settings.lease_ttl
+        return Ending(
+            run=active.run,
+            lease_until=lambda: active.renewed_at + ttl,
+            on_give_up=active.done,
+            **fields,
+        )
+
+    def _record(self, active: ActiveRun, status: str, error: BaseException | None) -> None:
+        """Record a final status for a run we are ending, then signal and log it."""
+        run = active.run
+        kind, message, text = describe_error(error) if error is not None else ("", "", "")
+        ending = self._ending(active, status=status, error_type=kind, error_message=message, traceback=text)
+        ours = self.recorder.record(ending)
+        if ours is None:
+            return  # logged by the recorder: nothing could be recorded in time
+        if not ours:
+            self._log_end(
+                active, "ended but was no longer ours to record (lease expired or taken over)", level=logging.WARNING
+            )
+            return
+        run.status, run.error_type, run.error_message, run.traceback = status, kind, message, text
+        run.finished_at = store.slot_datetime(int(time.time() * 1000))
+        self._log_end(active, error=error)
+        if status == Status.SUCCESS:
+            signals.send(signals.run_succeeded, run=run)
+        else:
+            signals.send(signals.run_failed, run=run, exception=error)
+
+    def _hand_over(self, active: ActiveRun, error: BaseException | None) -> None:
+        """Mark the run interrupted and leave its next attempt pending for another instance."""
+        detail = f"interrupted on {self.instance_id} by stop(); handed over to the next attempt"
+        ending = self._ending(active, hand_over=True, detail=detail, max_attempts=self.settings.max_attempts)
+        pair = self.recorder.record(ending)
+        if not pair:
+            return
+        old, new = pair
+        active.run = old
+        if new is None:
+            self._log_end(active)
+            signals.send(signals.run_failed, run=old, exception=AttemptsExhausted(old.error_message))
+            return
+        self._log_end(active)
+        logger.info(
+            "Handed over %s slot=%s: attempt %d is pending for another instance",
+            old.job,
+            old.slot,
+            new.attempt,
+            extra=log_fields(new, self.instance_id),
+        )
+        signals.send(signals.run_interrupted, run=old, exception=error)
+
+    def _log_end(
+        self,
+        active: ActiveRun,
+        what: str | None = None,
+        *,
+        level: int | None = None,
+        after: str = "",
+        error: BaseException | None = None,
+    ) -> None:
+        """The one end line of a run: ``Run <what>: job slot attempt reason instance duration``.
+
+        ``what`` defaults to the status just recorded (then also a ``status``
+        field). A failure is logged at ERROR with the handler's exception as
+        ``exc_info`` (so Sentry's logging integration sees it), an interruption
+        at WARNING, a success at INFO.
+        """
+        run = active.run
+        duration = time.monotonic() - active.started
+        fields = {**log_fields(run, self.instance_id), "duration": duration}
+        if what is None:
+            fields["status"] = run.status
+            if run.error_type:
+                after = f"{after} error={run.error_type}: {run.error_message}"
+        if level is None:
+            status = run.status if what is None else ""
+            level = END_LEVELS.get(status, logging.INFO)
+        logger.log(
+            level,
+            "Run %s: %s slot=%s attempt=%d reason=%s instance=%s duration=%.3fs%s",
+            what if what is not None else run.status,
+            run.job,
+            run.slot,
+            run.attempt,
+            run.reason,
+            self.instance_id,
+            duration,
+            after,
+            exc_info=(type(error), error, error.__traceback__) if error is not None else None,
+            extra=fields,
+        )

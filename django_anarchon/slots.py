@@ -1,0 +1,374 @@
+"""Which slots are due, and who claims them first (pure: no database, no threads, no clock reading).
+
+* :class:`SlotQueue` keeps every job's next slot in heaps keyed by the time it is
+  to be looked at, so a loop turn costs O(log n) in the number of jobs, and turns
+  the entries that have come due into a :class:`Batch` of claims and catch-up
+  windows for one ``store.decide`` statement; :meth:`SlotQueue.settle` puts back
+  what the database left undecided.
+* :class:`ShareOut` deals the slots of one instant among the live instances.
+* :func:`plan_due` says what a due job needs: a current slot to claim, a window
+  of slots the cluster may have missed, or both.
+
+The caller passes the time in: every decision here is a function of its inputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .registry import Job
+    from .schedules import Schedule
+
+SCHEDULED, CATCH_UP = "scheduled", "catch-up"  # models.Reason values; this module stays free of Django
+
+# How far ahead of their slot the other instances' shares are looked at (in case their instance is gone).
+BACKUP_AHEAD_MS = 30
+# A backup look that has come takes with it the looks due within this many ms: one statement for the lot.
+BACKUP_WINDOW_MS = 20
+# An instance's own share is claimed at least this much before the earliest backup look of any other.
+FIRST_PASS_MARGIN_MS = 40
+CLAIM_AHEAD_MAX_MS = 250
+# The most slots of one job recorded skipped in one turn for want of a free worker; older ones go to
+# catch-up's accounting (a missed count), as after an outage.
+SHED_LIMIT = 100
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A slot this instance wants decided: run it, skip it, queue it, or nothing (paused)."""
+
+    job: Job
+    slot: int
+    reason: str = SCHEDULED
+    # catch_up="all": when the job is busy, wait as a pending run instead of being skipped.
+    wait: bool = False
+    # Due with no free worker until the job's next slot came: recorded skipped if still undecided.
+    shed: bool = False
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """A job whose slots up to ``until`` may have been missed by the whole cluster."""
+
+    job: Job
+    until: int
+
+
+@dataclass
+class Batch:
+    """What one loop turn asks the database to decide, and each job's slot before the turn."""
+
+    claims: list[Claim] = field(default_factory=list)
+    catch_ups: list[CatchUp] = field(default_factory=list)
+    previous: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.claims or self.catch_ups)
+
+
+@dataclass(frozen=True)
+class DuePlan:
+    """What to do with a job whose next slot is due (see :func:`plan_due`)."""
+
+    claim: int | None  # a current slot to claim as scheduled
+    catch_up_until: int | None  # slots up to here may have been missed by everyone
+    next_slot: int  # the job's next slot after this turn
+
+
+def plan_due(schedule: Schedule, next_slot: int, now_ms: int, grace_ms: int) -> DuePlan:
+    """Decide what a due job needs at ``now_ms``.
+
+    A slot is *current* while it is no more than ``grace_ms`` old: it is claimed
+    as ``scheduled``. Older due slots, which this instance did not claim in time
+    (it was starting, frozen or cut off from the database), go to catch-up,
+    where the database decides whether anyone missed them.
+    """
+    if next_slot > now_ms:  # nothing due yet
+        return DuePlan(None, None, next_slot)
+    following = schedule.next_after(next_slot)
+    if following > now_ms:
+        # The common case, one slot due: no backward search (it is the costly one
+        # for cron), and next_after() is memoised for jobs sharing the schedule.
+        latest = next_slot
+    else:
+        latest = schedule.latest_at_or_before(now_ms) or next_slot
+    current = latest if now_ms - latest <= grace_ms else None
+    until = None
+    if latest > next_slot or current is None:
+        stale = schedule.latest_at_or_before(now_ms - grace_ms)
+        if stale is not None and stale >= next_slot:
+            until = stale
+    return DuePlan(current, until, following if latest == next_slot else schedule.next_after(latest))
+
+
+def draw_claim_ahead(claim_ms: float, jitter_ms: float) -> int:
+    """How far ahead of its slot an instance claims its own share this turn (ms).
+
+    At least twice its recent claim time, so that the claim commits before the
+    slot, and at least ``FIRST_PASS_MARGIN_MS`` more than the earliest backup
+    look (``BACKUP_AHEAD_MS + BACKUP_WINDOW_MS``), at most ``CLAIM_AHEAD_MAX_MS``,
+    plus ``jitter_ms``. The backup lead is the same everywhere and below every
+    first lead, so a peer's share is never taken before that peer's own first
+    pass; a backup lead that followed the claim time let the instance with the
+    slowest claims (the one writing the most rows) take the shares of the
+    fastest, which then won nothing.
+    """
+    floor = BACKUP_AHEAD_MS + BACKUP_WINDOW_MS + FIRST_PASS_MARGIN_MS
+    return int(min(float(CLAIM_AHEAD_MAX_MS), max(floor, 2 * claim_ms)) + jitter_ms)
+
+
+def share_ranks(names: Iterable[str]) -> dict[str, int]:
+    """Each job's place in an order that every instance declaring the same jobs agrees on."""
+    return {name: rank for rank, name in enumerate(sorted(names, key=lambda name: (zlib.crc32(name.encode()), name)))}
+
+
+def share_index(rank: int, slot: int, count: int) -> int:
+    """Which of ``count`` sorted live instances claims ``slot`` of the job ranked ``rank`` first.
+
+    The jobs are dealt round the instances in :func:`share_ranks` order, from a
+    starting instance that moves with the slot: of the jobs due at one instant,
+    each instance gets an even share (exactly, to one, when all are due). A
+    hash per (job, slot) shared them out only on average: of 100 jobs, one of
+    three instances often got over 40, and its handlers started last.
+    """
+    return (rank + zlib.crc32(str(slot).encode())) % count
+
+
+class ShareOut:
+    """Which slots this instance claims in the first pass: its share among the live instances.
+
+    Every instance reads the same sorted list of live instances and deals the
+    jobs round it (:func:`share_index`), so each slot has one preferred instance
+    and the slots due at one instant are shared out evenly. This only orders the
+    attempts: the claim itself is decided by the database, the other instances
+    claim the slot too just before it is due if it is still undecided, and
+    instances whose lists differ for a moment (one just started or stopped) at
+    worst both try first.
+    """
+
+    def __init__(self, names: Iterable[str], token: str) -> None:
+        self.token = token
+        self.ranks = share_ranks(names)
+        self.peers: tuple[str, ...] = ()
+
+    def update(self, tokens: Iterable[str]) -> None:
+        """The live instances' tokens (this one is added if missing)."""
+        self.peers = tuple(sorted({*tokens, self.token}))
+
+    def preferred(self, name: str, slot: int) -> bool:
+        """Whether this instance claims ``slot`` of job ``name`` in the first pass."""
+        peers = self.peers
+        if len(peers) < 2:
+            return True
+        return peers[share_index(self.ranks[name], slot, len(peers))] == self.token
+
+
+class SlotQueue:
+    """Every job's next slot, and when to look at it.
+
+    Three heaps of ``(time ms, entry number, job name)``: the main one, looked
+    at ``claim_ahead_ms`` before its time; the exact one, at its time (a busy
+    job's slot claimed ahead is decided at the slot); and the backup looks at
+    other instances' shares. A job's entry number changes whenever it is pushed
+    again, so an older entry still in a heap is recognised and dropped.
+    """
+
+    def __init__(self, jobs: Iterable[Job]) -> None:
+        self.jobs: dict[str, Job] = {job.name: job for job in jobs}
+        self.claim_ahead_ms = BACKUP_AHEAD_MS + BACKUP_WINDOW_MS + FIRST_PASS_MARGIN_MS
+        self.backup_ahead_ms = BACKUP_AHEAD_MS
+        self._heap: list[tuple[int, int, str]] = []
+        self._exact: list[tuple[int, int, str]] = []
+        self._backup: list[tuple[int, int, str]] = []
+        self._entry: dict[str, int] = {}
+        self._entries = itertools.count()
+        self._next_slot: dict[str, int] = {}
+        self._deferred: dict[str, int] = {}  # job -> a slot it was due at with no free worker here
+        self._short_since: int | None = None  # since when (ms) slots wait for a free worker here
+
+    def __len__(self) -> int:
+        """How many entries the heaps hold, stale ones included."""
+        return len(self._heap) + len(self._exact) + len(self._backup)
+
+    def live(self) -> int:
+        """How many entries are current (one per job once seeded)."""
+        return sum(
+            1
+            for heap in (self._heap, self._exact, self._backup)
+            for _, entry, name in heap
+            if self._entry[name] == entry
+        )
+
+    def next_slot(self, name: str) -> int:
+        """The slot of job ``name`` that this instance looks at next."""
+        return self._next_slot[name]
+
+    def seed(self, now_ms: int, grace_ms: int) -> None:
+        """Start every job at its first slot after the start-up grace (older ones were for catch-up)."""
+        self._heap = []
+        for job in self.jobs.values():
+            slot = job.schedule.next_after(now_ms - grace_ms - 1)
+            self._next_slot[job.name] = slot
+            self._entry[job.name] = entry = next(self._entries)
+            self._heap.append((slot, entry, job.name))
+        heapq.heapify(self._heap)
+
+    def push(self, at_ms: int, name: str, slot: int | None = None) -> None:
+        """Look at job ``name`` ``claim_ahead_ms`` before ``at_ms`` (for ``slot``, if given)."""
+        self._push_on(self._heap, at_ms, name, slot)
+
+    def push_exact(self, at_ms: int, name: str, slot: int | None = None) -> None:
+        """Look at job ``name`` at ``at_ms`` itself, not ``claim_ahead_ms`` before it."""
+        self._push_on(self._exact, at_ms, name, slot)
+
+    def push_backup(self, at_ms: int, name: str, slot: int | None = None) -> None:
+        """Look at job ``name`` (another instance's share) at ``at_ms``, or with a backup look just before."""
+        self._push_on(self._backup, at_ms, name, slot)
+
+    def _push_on(self, heap: list[tuple[int, int, str]], at_ms: int, name: str, slot: int | None) -> None:
+        if slot is not None:
+            self._next_slot[name] = slot
+        self._entry[name] = entry = next(self._entries)
+        heapq.heappush(heap, (at_ms, entry, name))
+
+    def reschedule(self, name: str, slot: int, at_ms: int) -> None:
+        """Try ``slot`` of job ``name`` again at ``at_ms`` (it was not decided)."""
+        self.push(at_ms, name, min(slot, self._next_slot[name]))
+
+    def due(self, now_ms: int, backup_until: int | None = None) -> bool:
+        """Whether a main entry is within the claim-ahead margin, or an exact one or a backup look has come.
+
+        ``backup_until``: backup looks due by then count too (the window of one that has come).
+        """
+        if self._heap and self._heap[0][0] <= now_ms + self.claim_ahead_ms:
+            return True
+        if self._exact and self._exact[0][0] <= now_ms:
+            return True
+        return bool(self._backup) and self._backup[0][0] <= (now_ms if backup_until is None else backup_until)
+
+    def wake_in_ms(self, now_ms: int) -> float | None:
+        """How long until the next entry is due (None: no entry)."""
+        times = [heap[0][0] for heap in (self._exact, self._backup) if heap]
+        if self._heap:
+            times.append(self._heap[0][0] - self.claim_ahead_ms)
+        return min(times) - now_ms if times else None
+
+    def note_no_room(self, now_ms: int) -> None:
+        """Every worker is busy from ``now_ms``: slots that come due meanwhile are owed, not missed."""
+        if self._short_since is None:
+            self._short_since = now_ms
+
+    def take_due(self, now_ms: int, grace_ms: int, preferred: Callable[[str, int], bool]) -> Batch:
+        """Pop the entries that have come due and say what to claim.
+
+        Own share (``preferred``) ``claim_ahead_ms`` ahead; the others' slots
+        ``backup_ahead_ms`` ahead (with the backup looks due within
+        ``BACKUP_WINDOW_MS``); slots past their grace go to catch-up, unless
+        they came due while this instance had no free worker: then they are
+        claimed late, as scheduled, until the job's next slot comes, and
+        recorded skipped (``shed``) after that.
+        """
+        horizon = now_ms + self.claim_ahead_ms
+        window = BACKUP_WINDOW_MS if self._backup and self._backup[0][0] <= now_ms else 0
+        backup = now_ms + self.backup_ahead_ms + window
+        batch = Batch()
+        while self.due(now_ms, now_ms + window):
+            if self._exact and self._exact[0][0] <= now_ms:
+                _, entry, name = heapq.heappop(self._exact)
+            elif self._backup and self._backup[0][0] <= now_ms + window:
+                _, entry, name = heapq.heappop(self._backup)
+            else:
+                _, entry, name = heapq.heappop(self._heap)
+            if self._entry[name] != entry:
+                continue  # superseded by a later push
+            job = self.jobs[name]
+            slot = self._next_slot[name]
+            if self._deferred.pop(name, None) == slot or (
+                self._short_since is not None and self._short_since <= slot < horizon - grace_ms
+            ):
+                slot = self._owed(job, slot, now_ms, batch)
+                if slot < 0:
+                    continue
+            plan = plan_due(job.schedule, slot, horizon, grace_ms)
+            if plan.catch_up_until is not None:
+                batch.catch_ups.append(CatchUp(job, plan.catch_up_until))
+            if (
+                plan.claim is not None
+                and plan.catch_up_until is None
+                and plan.claim > backup
+                and not preferred(name, plan.claim)
+            ):
+                # Another instance's share: claim it only if still undecided just before the slot.
+                self.push_backup(plan.claim - self.backup_ahead_ms, name, plan.claim)
+                continue
+            if plan.claim is not None:
+                batch.claims.append(Claim(job, plan.claim))
+            batch.previous[name] = slot
+            self.push(plan.next_slot, name, plan.next_slot)
+        return batch
+
+    def _owed(self, job: Job, slot: int, now_ms: int, batch: Batch) -> int:
+        """A slot due while this instance had no free worker: claim it late, or shed it; -1 when it was claimed."""
+        name = job.name
+        following = job.schedule.next_after(slot)
+        for _ in range(SHED_LIMIT):
+            if following > now_ms:
+                break
+            batch.claims.append(Claim(job, slot, shed=True))
+            slot, following = following, job.schedule.next_after(following)
+        if following > now_ms:
+            batch.claims.append(Claim(job, slot))
+            batch.previous[name] = slot
+            self.push(following, name, following)
+            return -1
+        self._next_slot[name] = slot
+        return slot
+
+    def failed(self, batch: Batch, retry_at_ms: int) -> None:
+        """The batch could not be decided (a database error): look at its slots again at ``retry_at_ms``."""
+        for name, slot in batch.previous.items():
+            self.reschedule(name, slot, retry_at_ms)
+
+    def settle(self, batch: Batch, outcome: Any, now_ms: int, busy_retry_at_ms: int) -> bool:
+        """Put back what the database left undecided; whether some slots wait for a free worker here.
+
+        ``outcome`` (a ``store.Outcome``): ``busy`` jobs another instance held are
+        looked at again at ``busy_retry_at_ms``; slots claimed ahead while their
+        job still ran (``early``) are decided at the slot; slots with no free
+        worker (``deferred``) stay due and are claimed again when one is free.
+        """
+        for name in outcome.busy:
+            self.reschedule(name, batch.previous[name], busy_retry_at_ms)
+        for claim in outcome.early:
+            name = claim.job.name
+            self.push_exact(claim.slot, name, min(claim.slot, self._next_slot[name]))
+        for claim in outcome.deferred:
+            name = claim.job.name
+            slot = min(claim.slot, batch.previous.get(name, claim.slot))
+            self._deferred[name] = slot
+            self.reschedule(name, slot, now_ms)
+        if not outcome.deferred:
+            self._short_since = None  # every due slot had a worker (or another instance)
+        return bool(outcome.deferred)
+
+
+__all__ = [
+    "BACKUP_AHEAD_MS",
+    "BACKUP_WINDOW_MS",
+    "Batch",
+    "CatchUp",
+    "Claim",
+    "DuePlan",
+    "ShareOut",
+    "SlotQueue",
+    "draw_claim_ahead",
+    "plan_due",
+    "share_index",
+    "share_ranks",
+]

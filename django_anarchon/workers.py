@@ -1,0 +1,255 @@
+"""The threads that run handlers: a reusable pool, the starter that releases runs at their slot.
+
+Worker threads keep their database connections from one run to the next, as a
+Django process keeps a connection between requests when ``CONN_MAX_AGE`` allows
+it (see :func:`tidy_connections`): opening a connection per run was the largest
+part of what a run cost the scheduler.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from django.db import connections
+
+if TYPE_CHECKING:
+    from .runs import ActiveRun
+
+logger = logging.getLogger("django_anarchon")
+# The longest a run claimed ahead waits for its slot on one reading of the clock. The
+# wall clock can be stepped at any time (NTP, an operator, a VM resumed); until the
+# engine has measured the database clock again, a reading taken then is off by the
+# step. A wait longer than this reads the clock again, so a run claimed ahead never
+# waits out a whole step back.
+CLOCK_RECHECK_S = 0.25
+
+
+def tidy_connections() -> None:
+    """After a run, on its worker thread: keep the connections a next run can use, close the others.
+
+    Closed: one the handler left inside a transaction (``atomic()`` not exited,
+    autocommit switched off: closing rolls it back), one that raised an error
+    and no longer answers, one older than a positive ``CONN_MAX_AGE``. Kept:
+    every other, whatever ``CONN_MAX_AGE`` says when it is ``0`` (Django's
+    default, meant for a connection per request): a scheduler has at most
+    ``MAX_WORKERS`` worker threads, each keeping one connection per database
+    for as long as it lives (threads idle for a minute leave, and close theirs).
+    With ``CONN_HEALTH_CHECKS`` the next run's first query checks the
+    connection first, as Django does at the start of a request.
+    """
+    for connection in connections.all(initialized_only=True):
+        if connection.connection is None:
+            continue
+        try:
+            if connection.in_atomic_block or connection.get_autocommit() != connection.settings_dict["AUTOCOMMIT"]:
+                connection.close()
+                continue
+            if connection.errors_occurred:
+                if not connection.is_usable():
+                    connection.close()
+                    continue
+                connection.errors_occurred = False
+            max_age = connection.settings_dict.get("CONN_MAX_AGE") or 0
+            if max_age and connection.close_at is not None and time.monotonic() >= connection.close_at:
+                connection.close()
+                continue
+            connection.health_check_done = False  # type: ignore[attr-defined]
+        except Exception:  # a connection that cannot even say its state is not worth keeping
+            try:
+                connection.close()
+            except Exception:
+                connection.connection = None
+
+
+class Workers:
+    """Daemon threads that run handlers: idle ones wait for work, a new one starts when none is idle.
+
+    Reusing threads keeps the start of a run to a queue hand-off. A handler
+    that ignores its signal past a timeout keeps its thread; the pool simply
+    starts another, and being daemons, such threads never hold up exit.
+    Threads idle for a minute leave.
+
+    A task returns whether it queued a follow-up with :meth:`follow`: its
+    thread then stays reserved for one queued task (it is not counted idle),
+    so every task in the queue has a thread on its way.
+    """
+
+    IDLE_EXIT = 60.0
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Callable[[ActiveRun], bool], ActiveRun] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        # One token per idle thread not yet reserved for a task. deque.append() and
+        # pop() are atomic: a hundred runs released at once do not queue on a lock.
+        self._idle: collections.deque[None] = collections.deque()
+        self._count = itertools.count(1)
+        self.started = 0  # how many threads were started
+
+    @property
+    def idle(self) -> int:
+        """How many threads wait for a task and are not reserved for one."""
+        return len(self._idle)
+
+    def submit(self, active: ActiveRun, work: Callable[[ActiveRun], bool]) -> None:
+        self._tasks.put((work, active))
+        try:
+            self._idle.pop()
+        except IndexError:
+            self.started += 1
+            thread = threading.Thread(target=self._serve, name=f"anarchon-worker-{next(self._count)}", daemon=True)
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def follow(self, active: ActiveRun, work: Callable[[ActiveRun], bool]) -> None:
+        """Queue ``work`` behind the tasks already queued; only a worker's own task calls this.
+
+        That task must then return True: its thread is the one reserved for the
+        new task, and takes the first queued task when it is done with its own.
+        """
+        self._tasks.put((work, active))
+
+    def close(self) -> None:
+        """Let every thread leave once it is done with its task, closing its connections (the scheduler stops)."""
+        for thread in self._threads:
+            if thread.is_alive():
+                self._tasks.put(None)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                task = self._tasks.get(timeout=self.IDLE_EXIT)
+            except queue.Empty:
+                try:
+                    self._idle.pop()
+                except IndexError:
+                    continue  # reserved for a task on its way
+                connections.close_all()  # this thread's own, kept between runs
+                return  # nobody reserved this thread: leave
+            if task is None:
+                connections.close_all()
+                return
+            work, active = task
+            if not work(active):
+                self._idle.append(None)
+
+
+class Starter:
+    """One thread that hands runs claimed ahead of their slot to the workers when the slot comes.
+
+    Runs due at the same instant are released together, in one go, so the
+    first free worker starts them back to back. A worker per run sleeping
+    until the slot would have every one of those threads wake at the same
+    instant and queue for the GIL, and a hundred simultaneous runs started
+    many times slower (docs/performance.md). A run whose signal aborts first
+    (stop, a lost lease) is released at once, to be ended by its worker.
+    The thread exists while runs wait.
+    """
+
+    def __init__(
+        self,
+        now_ms: Callable[[], float],
+        release: Callable[[ActiveRun], None],
+        releasing: Callable[[int], None] | None = None,
+    ) -> None:
+        self._now_ms = now_ms
+        self._release = release
+        self._releasing = releasing  # told how many runs are about to be released, before the first
+        self._waiting: list[tuple[int, int, ActiveRun]] = []  # a heap by slot
+        self._order = itertools.count()
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, active: ActiveRun) -> None:
+        with self._changed:
+            heapq.heappush(self._waiting, (active.run.slot, next(self._order), active))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="anarchon-starter", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+        active.signal.on_abort(self.wake)
+
+    @property
+    def running(self) -> bool:
+        """Whether the starter's thread exists (it does while runs wait)."""
+        return self._thread is not None
+
+    def wake(self) -> None:
+        """Look at the clock and the waiting runs again now."""
+        with self._changed:
+            self._changed.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                while True:
+                    if not self._waiting:
+                        self._thread = None
+                        return
+                    now = self._now_ms()
+                    due: list[tuple[int, int, ActiveRun]] = []
+                    later: list[tuple[int, int, ActiveRun]] = []
+                    for entry in self._waiting:
+                        (due if entry[0] <= now or entry[2].signal.aborted else later).append(entry)
+                    if due:
+                        self._waiting = later
+                        heapq.heapify(self._waiting)
+                        break
+                    self._changed.wait(min((self._waiting[0][0] - now) / 1000, CLOCK_RECHECK_S))
+            if self._releasing is not None:
+                self._releasing(len(due))
+            for _, _, active in sorted(due, key=lambda entry: entry[:2]):
+                try:
+                    self._release(active)
+                except Exception:  # a run that cannot be handed on must not stop the others
+                    logger.exception("Internal error while starting %r", active.run.job, extra={"job": active.run.job})
+
+
+class Starting:
+    """Counts the runs handed to a worker whose handler has not been called yet.
+
+    A handler that returns while other runs are still starting (a hundred due
+    at the same instant) waits for them, for at most ``ENDING_DEFER_S``, before
+    its ending is recorded: that work (the outcome handed to the recorder, the
+    signals, the log line, waking the loop) would otherwise take the GIL from
+    the starts still to come, about doubling how long a burst takes to start
+    (docs/performance.md).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._none = threading.Event()
+        self._none.set()
+
+    def add(self, count: int = 1) -> None:
+        """``count`` runs are about to be handed to workers (counted before the first is, so
+        that the first to begin cannot find none left while the rest are being handed on)."""
+        with self._lock:
+            self._count += count
+            self._none.clear()
+
+    def pending(self) -> bool:
+        """Whether a run handed to a worker has not had its handler called yet."""
+        return self._count > 0
+
+    def begun(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count <= 0:
+                self._count = 0
+                self._none.set()
+
+    def wait_done(self, timeout: float) -> bool:
+        """Wait until no run is starting, or ``timeout`` seconds; whether none is."""
+        return self._none.wait(timeout)
+
+
+__all__ = ["CLOCK_RECHECK_S", "Starter", "Starting", "Workers", "tidy_connections"]

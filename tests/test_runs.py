@@ -1,0 +1,106 @@
+"""The run table: capacity, and the endings decided by what happened first.
+
+No database: the recorder is replaced by one that answers as the database would.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from django_anarchon.conf import parse
+from django_anarchon.models import Run
+from django_anarchon.recorder import Ending, Recorder
+from django_anarchon.registry import build_job
+from django_anarchon.runs import ActiveRun, Phase, RunTable
+
+
+class FakeRecorder(Recorder):
+    def __init__(self) -> None:
+        super().__init__("token", "runs-test", 30.0)
+        self.endings: list[Ending] = []
+
+    def record(self, ending: Ending) -> Any:
+        self.endings.append(ending)
+        return True
+
+
+def table_with(recorder: Recorder | None = None, **settings: Any) -> RunTable:
+    sent: list[Any] = []
+    table = RunTable(parse(settings), "runs-test", recorder or FakeRecorder(), lambda *a, **k: sent.append((a, k)))
+    table.sent = sent  # type: ignore[attr-defined]
+    return table
+
+
+def held(table: RunTable, run_id: int, timeout: str | None = None) -> ActiveRun:
+    job = build_job("interval", f"job-{run_id}", "1s", lambda ctx: None, {"timeout": timeout} if timeout else {})
+    run: Any = Run(id=run_id, job=job.name, slot=1_000, attempt=1, reason="scheduled")
+    active = ActiveRun(run, job, renewed_at=time.monotonic())
+    table.add(active)
+    return active
+
+
+def test_capacity_counts_runs_whose_handler_has_not_returned() -> None:
+    table = table_with(MAX_WORKERS=3)
+    runs = [held(table, n) for n in range(1, 4)]
+    assert table.capacity() == 0
+    table.returned(runs[0])  # its end is still being recorded, its worker is free
+    assert table.capacity() == 1
+
+
+def test_a_handler_that_returned_before_its_deadline_succeeds_and_one_that_overran_fails() -> None:
+    recorder = FakeRecorder()
+    table = table_with(recorder)
+    on_time, late = held(table, 1, timeout="1s"), held(table, 2, timeout="1s")
+    now = time.monotonic()
+    for active in (on_time, late):
+        active.deadline = now - 0.01  # the deadline has passed by the time the end is recorded
+    on_time.returned_at = now - 0.02
+    late.returned_at = now
+    table.time_out_overdue(now)  # the watchdog: only the one still running at its deadline
+    assert on_time.state is Phase.RUNNING
+    table.finish(on_time, None)
+    assert [(e.run.id, e.status, e.error_type) for e in recorder.endings][-1] == (1, "success", "")
+    table.finish(late, None)
+    statuses = {e.run.id: (e.status, e.error_type) for e in recorder.endings}
+    assert statuses[2] == ("failed", "TimeoutError")
+
+
+def test_a_stop_that_came_first_is_not_overtaken_by_the_timeout() -> None:
+    table = table_with()
+    active = held(table, 1, timeout="1s")
+    active.deadline = time.monotonic() - 1
+    active.abort("stop", RuntimeError("stopping"))
+    table.time_out_overdue(time.monotonic())
+    assert active.state is Phase.RUNNING, "left to the stop's grace period: handed over, not failed"
+
+
+def test_a_lost_run_is_aborted_once_and_recorded_by_nobody_here(caplog: pytest.LogCaptureFixture) -> None:
+    recorder = FakeRecorder()
+    table = table_with(recorder)
+    active = held(table, 1)
+    table.lose(active, "taken over")
+    table.lose(active, "again")
+    assert active.state is Phase.DONE and active.cause == "lost" and recorder.endings == []
+    assert caplog.text.count("Lost job-1") == 1
+    table.finish(active, None)
+    assert recorder.endings == [], "its late end changes nothing"
+    assert "Run ended after it was lost" in caplog.text
+
+
+def test_skipped_and_replaced_runs_are_announced_through_the_outbox() -> None:
+    table = table_with()
+    active = held(table, 5)
+    row: Any = SimpleNamespace(id=5, job="job-5", slot=1_000, attempt=1, reason="scheduled", status="interrupted",
+                               detail="replaced by a newer slot (overlap='replace')")  # fmt: skip
+    table.interrupted_elsewhere([row])
+    table.skipped([SimpleNamespace(id=6, job="job-6", slot=2_000, attempt=1, reason="scheduled", status="skipped",
+                                   detail="busy")])  # fmt: skip
+    names = [args[0] for args, _ in table.sent]  # type: ignore[attr-defined]
+    from django_anarchon import signals
+
+    assert names == [signals.run_interrupted, signals.run_skipped]
+    assert active.state is Phase.DONE and active.cause == "lost"

@@ -1,0 +1,200 @@
+"""The worker threads and the starter: runs released at their slot, threads reused, starts counted.
+
+No database: runs are stand-ins with the attributes these pieces read, and time
+is a number the test moves.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from django.db import transaction
+
+from django_anarchon.runs import ActiveRun
+from django_anarchon.workers import Starter, Starting, Workers, tidy_connections
+from tests.conftest import start, wait_for
+
+
+def active(slot: int, job: str = "job") -> ActiveRun:
+    run: Any = SimpleNamespace(job=job, slot=slot, attempt=1, id=slot)
+    return ActiveRun(run, SimpleNamespace(name=job), renewed_at=0.0)  # type: ignore[arg-type]
+
+
+class FakeTime:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_starter_releases_runs_at_their_slot_together_and_in_slot_order() -> None:
+    clock = FakeTime(1_000)
+    released: list[int] = []
+    starter = Starter(clock, lambda a: released.append(a.run.slot))
+    runs = [active(2_000, "b"), active(1_500, "a"), active(2_000, "c"), active(3_000, "d")]
+    for run in runs:
+        starter.add(run)
+    threading.Event().wait(0.05)
+    assert released == [], "nothing is due yet"
+    clock.now = 2_000
+    starter.wake()
+    wait_for(lambda: len(released) == 3, 5, what="the runs due by 2000")
+    assert released == [1_500, 2_000, 2_000]
+    clock.now = 3_000
+    starter.wake()
+    wait_for(lambda: len(released) == 4, 5, what="the last run")
+    wait_for(lambda: not starter.running, 5, what="the starter thread to leave once nothing waits")
+
+
+def test_the_starter_releases_a_run_whose_signal_aborts_before_its_slot_at_once() -> None:
+    clock = FakeTime(1_000)
+    released: list[ActiveRun] = []
+    starter = Starter(clock, released.append)
+    early, later = active(60_000, "early"), active(60_000, "later")
+    starter.add(early)
+    starter.add(later)
+    early.abort("stop", RuntimeError("stopping"))
+    wait_for(lambda: released == [early], 5, what="the aborted run to be handed to its worker")
+    assert later not in released
+
+
+def test_the_starter_reads_the_clock_again_while_a_run_waits_so_a_clock_step_cannot_hold_it() -> None:
+    """A reading taken just after the wall clock was stepped back (before the engine measured
+    the database clock again) is an hour behind; the next reading is right again."""
+    readings = iter([1_000 - 3_600_000])
+    clock = FakeTime(1_000)
+    released: list[int] = []
+    starter = Starter(lambda: next(readings, clock.now), lambda a: released.append(a.run.slot))
+    started = time.monotonic()
+    starter.add(active(1_050))
+    clock.now = 1_050  # the slot comes; nothing wakes the starter
+    wait_for(lambda: released == [1_050], 2, what="the run, released at its slot however far back the step")
+    assert time.monotonic() - started < 1.0
+
+
+def test_the_starter_keeps_releasing_when_one_release_fails() -> None:
+    clock = FakeTime(5_000)
+    released: list[str] = []
+
+    def release(run: ActiveRun) -> None:
+        if run.run.job == "bad":
+            raise RuntimeError("no thread")
+        released.append(run.run.job)
+
+    starter = Starter(clock, release)
+    starter.add(active(4_000, "bad"))
+    starter.add(active(4_001, "good"))
+    wait_for(lambda: released == ["good"], 5, what="the good run")
+
+
+def test_workers_reuse_idle_threads_and_start_one_per_run_when_none_is_idle() -> None:
+    workers = Workers()
+    gate = threading.Event()
+    seen: list[str] = []
+
+    def blocking(run: ActiveRun) -> None:
+        seen.append(threading.current_thread().name)
+        gate.wait(5)
+
+    for n in range(3):
+        workers.submit(active(n), blocking)
+    wait_for(lambda: len(seen) == 3, 5, what="three runs at once, none waiting behind another")
+    assert len(set(seen)) == 3
+    gate.set()
+    wait_for(lambda: workers.idle == 3, 5, what="the threads to be idle again")
+    seen.clear()
+    workers.submit(active(9), lambda run: seen.append(threading.current_thread().name))
+    wait_for(lambda: len(seen) == 1, 5, what="a run on an idle thread")
+    assert workers.started == 3, "no new thread while one was idle"
+
+
+def test_a_worker_that_queues_a_follow_up_stays_reserved_for_it_and_takes_it_itself() -> None:
+    """A task that returns True has queued a follow-up: its thread is not idle until that is done."""
+    workers = Workers()
+    ran: list[tuple[str, str]] = []
+
+    def follow_up(run: ActiveRun) -> bool:
+        ran.append(("follow-up", threading.current_thread().name))
+        return False
+
+    def first(run: ActiveRun) -> bool:
+        ran.append(("first", threading.current_thread().name))
+        workers.follow(run, follow_up)
+        return True
+
+    workers.submit(active(1), first)
+    wait_for(lambda: len(ran) == 2, 5, what="the task and its follow-up")
+    assert ran[0][1] == ran[1][1], "the one thread took its own follow-up"
+    wait_for(lambda: workers.idle == 1, 5, what="the thread to be idle once the follow-up is done")
+    threading.Event().wait(0.05)
+    assert workers.idle == 1, "counted idle once, not once per task"
+    assert workers.started == 1, "no second thread was started"
+
+
+def test_starting_counts_runs_until_their_handler_begins() -> None:
+    starting = Starting()
+    assert starting.wait_done(0), "nothing is starting"
+    starting.add()
+    starting.add()
+    starting.begun()
+    assert not starting.wait_done(0.01), "one run has not begun"
+    threading.Timer(0.05, starting.begun).start()
+    assert starting.wait_done(5)
+
+
+# -- connections kept between runs ------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sound_connection_is_kept_for_the_next_run_and_a_spoiled_one_is_closed() -> None:
+    from django.db import connection
+
+    connection.ensure_connection()
+    sound = connection.connection
+    tidy_connections()
+    assert connection.connection is sound, "kept: the next run on this thread reuses it"
+
+    transaction.set_autocommit(False)  # a handler that switched autocommit off and never back
+    tidy_connections()
+    assert connection.connection is None, "closed: it would have carried an open transaction into the next run"
+    assert connection.get_autocommit() is True
+
+    connection.ensure_connection()
+    connection.errors_occurred = True
+    tidy_connections()
+    assert connection.connection is not None and not connection.errors_occurred, "an error, but still usable"
+
+    connection.settings_dict["CONN_MAX_AGE"] = 1
+    try:
+        connection.close_at = time.monotonic() - 1
+        tidy_connections()
+        assert connection.connection is None, "older than a positive CONN_MAX_AGE: closed"
+    finally:
+        connection.settings_dict["CONN_MAX_AGE"] = 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_consecutive_runs_on_one_worker_share_its_database_connection(sched: Any) -> None:
+    from django.db import connection
+
+    seen: list[Any] = []
+
+    def which_connection(ctx: Any) -> None:
+        connection.ensure_connection()
+        seen.append((threading.current_thread().name, connection.connection))
+
+    sched.every("again", "10000d", which_connection)
+    start(sched)
+    for _ in range(3):
+        sched.run_now("again")
+        finished_before = len(seen)
+        wait_for(lambda n=finished_before: len(seen) > n, 10, what="the run")  # type: ignore[misc]
+        time.sleep(0.3)  # its end recorded: the worker is idle again
+    threads = {name for name, _ in seen}
+    assert len(threads) == 1, "one idle worker took every run"
+    assert seen[0][1] is seen[1][1] is seen[2][1], "and kept its connection between them"
