@@ -32,13 +32,13 @@ class Context:
 
 
 def reset_database() -> None:
-    """Empty the scheduler's tables (and the claim reference table) of the bench database."""
+    """Empty the scheduler's tables (and the benchmark's own) of the bench database."""
     from django.db import connection
 
-    from bench.benchapp.models import ClaimRef
+    from bench.benchapp.models import ClaimRef, Tick
     from django_anarchon.models import Instance, JobState, Run
 
-    tables = [m._meta.db_table for m in (Run, JobState, Instance, ClaimRef)]
+    tables = [m._meta.db_table for m in (Run, JobState, Instance, ClaimRef, Tick)]
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute("TRUNCATE " + ", ".join(tables))

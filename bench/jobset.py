@@ -7,8 +7,9 @@
   (hourly to monthly) in many timezones, all firing at most once an hour.
 
 Extra keys (``overlap``, ``catch_up``, ``timeout``) are passed to the declaration.
-``kind`` is ``record`` (record the start and return) or ``sleep`` (record the start, then
-sleep ``seconds`` honouring ``ctx.signal``).
+``kind`` is ``record`` (record the start and return), ``orm`` (record the start, then write
+one row with the ORM, as real handlers do) or ``sleep`` (record the start, then sleep
+``seconds`` honouring ``ctx.signal``).
 """
 
 from __future__ import annotations

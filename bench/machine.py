@@ -68,6 +68,16 @@ def busy_share(before: tuple[int, int] | None, after: tuple[int, int] | None) ->
     return round((after[0] - before[0]) / (after[1] - before[1]), 3)
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) a process has used so far; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command name: state is field 3, utime 14, stime 15 (1-based), so 11 and 12 here.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def describe() -> dict[str, Any]:
     mem_kb = _first("/proc/meminfo", "MemTotal").split()[0]
     os_name = platform.freedesktop_os_release().get("PRETTY_NAME", platform.platform())

@@ -20,6 +20,9 @@ def _target(what: str, db: str, value: float, limit: float, unit: str, met: bool
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
+    for db, scenarios in results["databases"].items():
+        if "load" in scenarios and "error" not in scenarios["load"]:
+            found += load_targets(db, scenarios["load"])
     aps = results["reference"].get("apscheduler")
     for db, scenarios in results["databases"].items():
         late = scenarios.get("lateness", {})
@@ -550,6 +553,7 @@ def markdown(results: dict[str, Any]) -> str:
                 ),
                 "",
             ]
+    out += load_section(results)
     errors = [
         f"- {db} {name}: see latest.json"
         for db, sc in results["databases"].items()
@@ -559,6 +563,132 @@ def markdown(results: dict[str, Any]) -> str:
     if errors:
         out += ["## Errors", "", *errors, ""]
     return "\n".join(out)
+
+
+def load_targets(db: str, load: dict[str, Any]) -> list[dict[str, Any]]:
+    """Targets 6.x: cost, lateness and capacity at the default settings (see bench/scenarios/load.py)."""
+    found = []
+    ref, ref_orm = load["reference_record"], load["reference_orm"]
+    for run in load["lateness"]:
+        ref_run = ref if run["handler"] == "record" else ref_orm
+        if run["handler"] == "record" and run["instances"] == 1:
+            limit = 2 * ref["cpu_per_run_ms"]
+            found.append(
+                _target(
+                    "6.1 scheduler CPU per run ≤ 2× APScheduler's (defaults, 1 instance)",
+                    db,
+                    run["cpu_per_run_ms"],
+                    round(limit, 3),
+                    "ms CPU/run",
+                    run["cpu_per_run_ms"] <= limit,
+                    f"{run['cpu_per_run_ms'] / ref['cpu_per_run_ms']:.2f}× APScheduler's "
+                    f"{ref['cpu_per_run_ms']} ms (10 threads, the same trivial handler)",
+                )
+            )
+        handler = "trivial handler" if run["handler"] == "record" else "ORM-writing handler"
+        found.append(
+            _target(
+                f"6.2 lateness p99 at defaults, {run['instances']} instance(s), {handler} ≤ APScheduler's",
+                db,
+                run["p99_ms"],
+                ref_run["p99_ms"],
+                "ms",
+                run["p99_ms"] <= ref_run["p99_ms"] and run["completeness"] >= 0.999 and not run["duplicates"],
+                f"{run['p99_ms'] / ref_run['p99_ms']:.2f}× the reference; {run['completeness']:.1%} of slots ran, "
+                f"{run['duplicates']} duplicates",
+            )
+        )
+    capacity = load["capacity_jobs"]
+    reference = [r["jobs"] for r in load.get("reference_capacity", []) if r["on_time"] >= 0.999]
+    limit = max(reference, default=0) if db == "postgres" else 0
+    found.append(
+        _target(
+            "6.3 capacity: 1 s ORM jobs 3 instances run ≥ 99.9 % on time, no duplicate"
+            + (" ≥ APScheduler's" if db == "postgres" else ""),
+            db,
+            capacity,
+            limit,
+            "jobs",
+            capacity >= limit and capacity > 0,
+            "curve: "
+            + ", ".join(f"{m['jobs']} jobs {m['on_time']:.1%} (p99 {m['p99_ms']} ms)" for m in load["capacity"])
+            + (f"; APScheduler: {', '.join(str(j) for j in reference)}" if reference else ""),
+        )
+    )
+    over = load["overload"]
+    found.append(
+        _target(
+            f"6.4 overload ({over['jobs']} jobs): no slot twice, every slot accounted for",
+            db,
+            over["duplicates"] + over["unaccounted"],
+            0,
+            "slots",
+            over["duplicates"] == 0 and over["unaccounted"] == 0,
+            f"{over['duplicates']} duplicates, {over['unaccounted']} unaccounted, {over['takeovers']} takeovers; "
+            f"on time again {over.get('recovered_after_s')} s after the load dropped",
+        )
+    )
+    return found
+
+
+def load_section(results: dict[str, Any]) -> list[str]:
+    """## 6. Load at default settings: the cost, lateness and capacity tables."""
+    rows, curve = [], []
+    for db, scenarios in results["databases"].items():
+        load = scenarios.get("load")
+        if not load or "error" in load:
+            continue
+        for label, ref in (("record", load["reference_record"]), ("orm", load["reference_orm"])):
+            rows.append(["APScheduler 3", DB_LABEL[db], ref["what"].split(", ")[2], label, 1, ref["p50_ms"],
+                         ref["p99_ms"], ref["on_time"] * 100, ref["cpu_per_run_ms"], ref["duplicates"]])  # fmt: skip
+        for run in load["lateness"]:
+            rows.append(["anarchon", DB_LABEL[db], "16 (default)", run["handler"], run["instances"], run["p50_ms"],
+                         run["p99_ms"], run["on_time"] * 100, run["cpu_per_run_ms"], run["duplicates"]])  # fmt: skip
+        for run in load["capacity"] + [load["overload"]]:
+            curve.append(["anarchon, 3 instances", DB_LABEL[db], run["jobs"], run["on_time"] * 100, run["p99_ms"],
+                          run["cpu_per_run_ms"], run["duplicates"], run["unaccounted"], run["takeovers"]])  # fmt: skip
+        for ref in load.get("reference_capacity", []):
+            curve.append(["APScheduler 3, 16 threads", DB_LABEL[db], ref["jobs"], ref["on_time"] * 100, ref["p99_ms"],
+                          ref["cpu_per_run_ms"], ref["duplicates"], "–", "–"])  # fmt: skip
+    if not rows:
+        return []
+    return [
+        "## 6. Load at default settings (jobs every 1 s; `record` is a trivial handler, `orm` writes one row)",
+        "",
+        _table(
+            [
+                "scheduler",
+                "database",
+                "threads",
+                "handler",
+                "instances",
+                "p50 ms",
+                "p99 ms",
+                "% within 1 s",
+                "CPU ms/run",
+                "duplicates",
+            ],
+            rows,
+        ),  # fmt: skip
+        "",
+        "### Capacity (the `orm` handler) and overload (the last anarchon row of each database)",
+        "",
+        _table(
+            [
+                "scheduler",
+                "database",
+                "jobs",
+                "% within 1 s",
+                "p99 ms",
+                "CPU ms/run",
+                "duplicates",
+                "unaccounted",
+                "takeovers",
+            ],
+            curve,
+        ),  # fmt: skip
+        "",
+    ]
 
 
 def plot(results: dict[str, Any], path: Path) -> None:

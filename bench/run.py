@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from bench import machine, report  # noqa: E402
 from bench.dbconf import DB_NAME, VENDORS  # noqa: E402
 
-SCENARIOS = ("lateness", "claims", "idle", "failover", "scale")
+SCENARIOS = ("lateness", "claims", "idle", "failover", "scale", "load")
 
 
 def _list(value: str, allowed: tuple[str, ...]) -> list[str]:

@@ -54,6 +54,12 @@ class AnarchonSettings:
         return min(self.lease_ttl / 3, max(self.poll_interval, 0.05))
 
     @property
+    def heartbeat_every(self) -> float:
+        """How often an instance says it lives (and measures the database clock): a third of the TTL,
+        at least every poll, at most every 10 s. An instance silent for three of these counts as gone."""
+        return min(10.0, max(self.lease_ttl / 3, self.poll_interval))
+
+    @property
     def fence_after(self) -> float:
         """Seconds after a committed renewal at which a runner gives its runs up.
 
@@ -175,7 +181,14 @@ def parse(raw: Any) -> AnarchonSettings:
     grace = values["SHUTDOWN_GRACE"]
     # 0 means "do not wait"; a bool is not a duration (False == 0 would slip through).
     zero = not isinstance(grace, bool) and (grace == 0 or grace == timedelta(0))
-    shutdown_grace = 0.0 if zero else _seconds("SHUTDOWN_GRACE", grace)
+    try:
+        shutdown_grace = 0.0 if zero else _seconds("SHUTDOWN_GRACE", grace)
+    except SettingsError as error:
+        if "is not positive" not in str(error):
+            raise
+        raise SettingsError(
+            "SHUTDOWN_GRACE", f"{grace!r} is negative; use 0 (hand over at once) or a positive duration"
+        ) from None
     try:
         check_json(values["DATA"], "the value")
     except DataNotSerializableError as error:

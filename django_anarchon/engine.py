@@ -41,7 +41,7 @@ from typing import Any
 
 from django.db import connections
 
-from . import store
+from . import metrics, signals, store
 from .clock import Clock, ClockEstimate
 from .conf import AnarchonSettings
 from .dbtrouble import FAILED, DbTrouble
@@ -133,10 +133,18 @@ class Engine:
         self._next_prune = 0.0  # the first housekeeping turn prunes, then hourly
         self.claim_ms = 20.0  # how long claiming transactions take here: recent highs, decaying
         self._peers_read_at = -PEERS_REFRESH_S
+        self._alerting = [job for job in self.jobs.values() if job.alert_after_ms]
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
+        logger.debug(
+            "Starting scheduler %s: %d job(s), %s",
+            self.instance_id,
+            len(self.jobs),
+            "scheduling them" if self.schedule_jobs else "running one job in the foreground",
+            extra={"instance": self.instance_id},
+        )
         targets = [("keeper", self.keeper.run_renewals), ("watchdog", self.keeper.run_watchdog)]
         if self.schedule_jobs:
             targets.insert(0, ("loop", self._run_loop))
@@ -269,7 +277,7 @@ class Engine:
             next_poll = time.monotonic() + self.settings.poll_interval
         if mono >= next_house:
             self._housekeeping()
-            next_house = time.monotonic() + self._heartbeat_every()
+            next_house = time.monotonic() + self.settings.heartbeat_every
         wait = min(next_poll, next_house, self._takeover_at) - time.monotonic()
         if self.capacity() > 0:
             due_in = self.queue.wake_in_ms(self.clock.now_ms())
@@ -309,7 +317,7 @@ class Engine:
         share within seconds, and an idle instance sends no query for it.
         """
         self._peers_read_at = self.clock.monotonic()
-        tokens = self.trouble.call(store.live_instances, 3 * self._heartbeat_every() + 1)
+        tokens = self.trouble.call(store.live_instances, 3 * self.settings.heartbeat_every + 1)
         if tokens is not FAILED:
             self.shares.update(tokens)
 
@@ -329,6 +337,23 @@ class Engine:
         )
         if outcome is FAILED:
             return outcome
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "Decided %d slot(s) and %d catch-up window(s) in %.1f ms: won %d, skipped %d, deferred %d, busy %d",
+                len(batch.claims),
+                len(batch.catch_ups),
+                (time.monotonic() - sent) * 1000,
+                len(outcome.won),
+                len(outcome.skipped),
+                len(outcome.deferred),
+                len(outcome.busy),
+                extra={"instance": self.instance_id},
+            )
+        undecided = len(outcome.deferred) + len(outcome.early) + len(outcome.busy)
+        metrics.CLAIMS.labels("won").inc(len(outcome.won))
+        metrics.CLAIMS.labels("lost").inc(
+            max(0, len(batch.claims) - len(outcome.won) - len(outcome.skipped) - undecided)
+        )
         if outcome.won or outcome.skipped or outcome.missed:
             # Only claims that wrote rows say how long claiming takes (one that found
             # everything decided is quick). Rise at once, decay slowly: a large batch
@@ -341,6 +366,7 @@ class Engine:
     def _handle(self, outcome: store.Outcome, sent: float) -> None:
         self.table.interrupted_elsewhere(outcome.interrupted)
         self.table.skipped(outcome.skipped)
+        self.table.missed(outcome.missed)
         for row in outcome.won:
             self.adopt(row, sent)
 
@@ -371,9 +397,6 @@ class Engine:
         return active
 
     # -- start-up, polls, takeovers, housekeeping -----------------------------------------
-
-    def _heartbeat_every(self) -> float:
-        return min(10.0, max(self.settings.lease_ttl / 3, self.settings.poll_interval))
 
     def _startup(self) -> bool:
         if self.trouble.call(store.limit_idle_transactions, self.settings.lease_ttl) is FAILED:
@@ -516,8 +539,25 @@ class Engine:
         return True
 
     def _housekeeping(self) -> None:
-        self.trouble.call(store.heartbeat, self.token, self.instance_id, self.host, self.pid)
         self._measure_clock()
+        self.trouble.call(
+            store.heartbeat, self.token, self.instance_id, self.host, self.pid, clock_offset_ms=self.clock.offset_ms
+        )
+        if self._alerting:
+            overdue = self.trouble.call(store.claim_overdue_alerts, self._alerting)
+            for lapse in [] if overdue is FAILED else overdue:
+                logger.warning(
+                    "Job %r is overdue: no successful run for %s (alert_after); sending job_overdue",
+                    lapse.job,
+                    lapse.without_success,
+                    extra={"job": lapse.job, "instance": self.instance_id},
+                )
+                self.outbox(
+                    signals.job_overdue,
+                    job=lapse.job,
+                    last_success=lapse.last_success,
+                    without_success=lapse.without_success,
+                )
         now = time.monotonic()
         if now < self._next_prune:
             return

@@ -8,16 +8,19 @@ gives its runs up. Both ask the run table to end what must end.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 
 from django.db import DatabaseError, connections
 
-from . import store
+from . import metrics, store
 from .conf import AnarchonSettings
 from .dbtrouble import DbTrouble
 from .runs import ActiveRun, Phase, RunTable, describe_loss
+
+logger = logging.getLogger("django_anarchon")
 
 
 class Keeper:
@@ -81,10 +84,14 @@ class Keeper:
         try:
             kept, lost = store.renew([a.run.id for a in held], owner=self.token, ttl=self.settings.lease_ttl)
         except DatabaseError as error:
+            metrics.RENEWALS.labels("failed").inc()
             self.trouble.failed(error)
             self.trouble.end_turn()
             return sent + min(0.25, every)
+        metrics.RENEWALS.labels("ok").inc()
         self.trouble.end_turn()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("Renewed %d lease(s), lost %d", len(kept), len(lost))
         for active in held:
             if active.run.id in kept:
                 active.renewed_at = max(active.renewed_at, sent)

@@ -163,6 +163,8 @@ class JobState(models.Model):
     # When a running instance last said it declares the job (at start, then hourly): the
     # pending and running rows of a job no instance has declared for a while are closed.
     declared_at = models.DateTimeField(_("last declared"), null=True, blank=True)
+    # When job_overdue was last sent for the job (alert_after): once per lapse, cluster-wide.
+    overdue_alerted_at = models.DateTimeField(_("overdue alert sent"), null=True, blank=True)
 
     class Meta:
         verbose_name = _("job")
@@ -215,6 +217,8 @@ class Instance(models.Model):
     pid = models.PositiveIntegerField(_("pid"))
     started_at = models.DateTimeField(_("started at"))
     last_heartbeat = models.DateTimeField(_("last heartbeat"))
+    # The database clock minus this host's, in ms, as the instance last measured it.
+    clock_offset_ms = models.FloatField(_("clock offset (ms)"), null=True, blank=True)
 
     class Meta:
         verbose_name = _("instance")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import logging
 import threading
 import unicodedata
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ from .schedules import IntervalSchedule, Schedule, cron_schedule, load_timezone
 
 OVERLAP_CHOICES = ("skip", "allow", "queue", "replace")
 CATCH_UP_CHOICES = ("latest", "all", "none")
-OPTIONS = ("timeout", "overlap", "catch_up", "data", "timezone")
+OPTIONS = ("timeout", "overlap", "catch_up", "data", "alert_after", "timezone")
 MAX_NAME_LENGTH = 200
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -44,6 +43,7 @@ class Job:
     catch_up: str
     data: Any
     origin: str
+    alert_after_ms: int | None = None  # job_overdue after this long without a success
 
     @property
     def has_data(self) -> bool:
@@ -86,8 +86,17 @@ class Registry:
     def __init__(self) -> None:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
-        # Declaration errors raised while discovering jobs.py modules: (module, error).
+        # Declaration errors found while discovering jobs.py modules: (module, error).
         self.errors: list[tuple[str, JobDeclarationError]] = []
+        # While a jobs.py is imported by discover(): its bad declarations, collected instead of raised.
+        self._collected: list[JobDeclarationError] | None = None
+
+    def collect(self, error: JobDeclarationError) -> bool:
+        """Keep ``error`` for :meth:`discover` (True) if a ``jobs`` module is being discovered; else False."""
+        if self._collected is None:
+            return False
+        self._collected.append(error)
+        return True
 
     def __iter__(self) -> Iterator[Job]:
         return iter(list(self._jobs.values()))
@@ -121,10 +130,12 @@ class Registry:
     def discover(self, module_name: str = "jobs") -> None:
         """Import every installed app's ``jobs`` module, like the admin's autodiscover.
 
-        A module that raises :class:`JobDeclarationError` is rolled back as a
-        whole (none of its jobs stay half-registered), the error is logged and
-        kept in :attr:`errors`, where the system check ``anarchon.E005`` reports
-        it and :meth:`Scheduler.start` refuses to start. Any other error in a
+        Every bad declaration of a module is collected rather than raised, so
+        that the system check ``anarchon.E005`` reports each of them (a module
+        that raises :class:`JobDeclarationError` itself counts too); such a
+        module is rolled back as a whole (none of its jobs stay
+        half-registered), its errors are kept in :attr:`errors`, and
+        :meth:`Scheduler.start` refuses to start. Any other error in a
         ``jobs.py`` propagates unchanged.
         """
         from importlib import import_module
@@ -138,15 +149,17 @@ class Registry:
             path = f"{app_config.name}.{module_name}"
             with self._lock:
                 before = dict(self._jobs)
+            self._collected = []
             try:
                 import_module(path)
             except JobDeclarationError as error:
+                self._collected.append(error)
+            finally:
+                found, self._collected = self._collected, None
+            if found:
                 with self._lock:
                     self._jobs = before
-                self.errors.append((path, error))
-                logging.getLogger("django_anarchon").error(
-                    "%s declares a bad job, so none of its jobs are registered: %s", path, error
-                )
+                self.errors.extend((path, error) for error in found)
 
 
 def _default_timezone() -> str:
@@ -216,6 +229,14 @@ def build_job(
         except ValueError as error:
             raise JobDeclarationError(name, f"bad timeout: {error}") from None
 
+    alert_after = options.get("alert_after")
+    alert_after_ms: int | None = None
+    if alert_after is not None:
+        try:
+            alert_after_ms = parse_duration_ms(alert_after)
+        except ValueError as error:
+            raise JobDeclarationError(name, f"bad alert_after: {error}") from None
+
     overlap = options.get("overlap", "skip")
     if overlap not in OVERLAP_CHOICES:
         raise JobDeclarationError(name, f"bad overlap {overlap!r}; use one of {', '.join(map(repr, OVERLAP_CHOICES))}")
@@ -237,6 +258,7 @@ def build_job(
         handler=handler,
         is_async=_is_async(handler),
         timeout_ms=timeout_ms,
+        alert_after_ms=alert_after_ms,
         overlap=overlap,
         catch_up=catch_up,
         data=data,
@@ -254,7 +276,7 @@ class Declarations:
 
         ``interval`` is a duration string (``"500ms"``, ``"10s"``, ``"1h30m"``),
         a number of seconds or a ``timedelta``. Without ``handler``, returns a
-        decorator. Options: ``timeout``, ``overlap``, ``catch_up``, ``data``.
+        decorator. Options: ``timeout``, ``overlap``, ``catch_up``, ``data``, ``alert_after``.
         """
         return self._declare("interval", name, interval, handler, options)
 
@@ -263,7 +285,7 @@ class Declarations:
 
         Five fields, an optional sixth for seconds, or an ``@alias``. Without
         ``handler``, returns a decorator. Options: ``timezone``, ``timeout``,
-        ``overlap``, ``catch_up``, ``data``.
+        ``overlap``, ``catch_up``, ``data``, ``alert_after``.
         """
         return self._declare("cron", name, expression, handler, options)
 
@@ -273,16 +295,32 @@ class Declarations:
         if handler is None:
             # Validate everything but the handler now, so that a bad schedule
             # fails at the decorator line even before the function is defined.
-            build_job(kind, name, spec, _placeholder, options)
+            try:
+                build_job(kind, name, spec, _placeholder, options)
+            except JobDeclarationError as error:
+                if not self.registry.collect(error):
+                    raise
+                return _unchanged
 
             def decorator(function: F) -> F:
-                self.registry.add(build_job(kind, name, spec, function, options))
+                self._add(kind, name, spec, function, options)
                 return function
 
             return decorator
-        job = build_job(kind, name, spec, handler, options)
-        self.registry.add(job)
+        self._add(kind, name, spec, handler, options)
         return handler
+
+    def _add(self, kind: str, name: Any, spec: Any, handler: Callable[..., Any], options: dict[str, Any]) -> None:
+        try:
+            self.registry.add(build_job(kind, name, spec, handler, options))
+        except JobDeclarationError as error:
+            if not self.registry.collect(error):
+                raise
+
+
+def _unchanged(function: F) -> F:
+    """The decorator of a declaration that was collected as bad: the function stays as it is."""
+    return function
 
 
 def _placeholder(ctx: Any) -> None:  # pragma: no cover - never called

@@ -12,7 +12,7 @@ from typing import Any
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.db import connections
 
-from . import signals, store
+from . import metrics, signals, store
 from .clock import Clock
 from .conf import check_json
 from .context import Context
@@ -116,6 +116,7 @@ class Runner:
                 self.table.finish(active, active.signal.reason, started=False)
                 return False
             active.started = time.monotonic()
+            metrics.LATENESS.labels(run.job).observe(max(0.0, self.clock.exact_ms() - run.slot) / 1000)
             if active.job.timeout_ms:
                 active.deadline = active.started + active.job.timeout_ms / 1000
                 self.watch()

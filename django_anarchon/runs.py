@@ -33,7 +33,7 @@ from typing import Any
 
 from django.db import connections
 
-from . import signals, store
+from . import metrics, signals, store
 from .conf import AnarchonSettings
 from .exceptions import AttemptsExhausted, Interrupted
 from .models import Run, Status
@@ -289,6 +289,7 @@ class RunTable:
         )
         active.done()
         run = active.run
+        metrics.FENCINGS.labels(run.job).inc()
         logger.warning(
             "Fenced %s slot=%s attempt=%d: no lease renewal for %.1fs",
             run.job,
@@ -367,6 +368,7 @@ class RunTable:
     def skipped(self, rows: list[Run]) -> None:
         """Slots a claim just recorded skipped (the job was busy, or no free worker)."""
         for row in rows:
+            metrics.SKIPPED.labels(row.job, metrics.skip_reason(row.detail)).inc()
             logger.warning(
                 "Run skipped: %s slot=%s (%s)",
                 row.job,
@@ -376,12 +378,19 @@ class RunTable:
             )
             self.outbox(signals.run_skipped, run=row)
 
+    def missed(self, rows: list[Run]) -> None:
+        """Records of slots nobody ran while the whole cluster was down (one per outage and job)."""
+        for row in rows:
+            metrics.missed(row.job, row.detail)
+            self.outbox(signals.run_missed, run=row)
+
     def taken_over(self, old: Run, new: Run | None, starts_here: bool) -> None:
         """This instance took over ``old`` (its lease expired): ``new`` is the next attempt, or None (given up)."""
         self.lose_id(old.id, "its lease expired and another attempt started")
         if new is None:
             self._gave_up(old)
             return
+        metrics.TAKEOVERS.labels(old.job).inc()
         logger.warning(
             "Took over %s slot=%s: attempt %d on %s stopped renewing its lease; attempt %d %s",
             old.job,
@@ -430,6 +439,8 @@ class RunTable:
             return
         run.status, run.error_type, run.error_message, run.traceback = status, kind, message, text
         run.finished_at = store.slot_datetime(int(time.time() * 1000))
+        metrics.RUNS.labels(run.job, status).inc()
+        metrics.DURATION.labels(run.job).observe(time.monotonic() - active.started)
         self._log_end(active, error=error)
         if status == Status.SUCCESS:
             signals.send(signals.run_succeeded, run=run)
@@ -445,11 +456,13 @@ class RunTable:
             return
         old, new = pair
         active.run = old
+        metrics.RUNS.labels(old.job, old.status).inc()
         if new is None:
             self._log_end(active)
             signals.send(signals.run_failed, run=old, exception=AttemptsExhausted(old.error_message))
             return
         self._log_end(active)
+        metrics.HAND_OVERS.labels(old.job).inc()
         logger.info(
             "Handed over %s slot=%s: attempt %d is pending for another instance",
             old.job,

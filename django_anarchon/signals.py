@@ -1,8 +1,9 @@
 """Signals sent around runs. Connect receivers with ``@receiver(run_failed)``.
 
-Every signal is sent with ``sender=Run`` (the model class) and ``run=<Run>``,
-the run's record; the failure and interruption signals add ``exception`` (the
-exception that ended the run, or None when another instance recorded it).
+Every signal is sent with ``sender=Run`` (the model class) and, but for
+``job_overdue``, ``run=<Run>``, the run's record; the failure and interruption
+signals add ``exception`` (the exception that ended the run, or None when
+another instance recorded it).
 A receiver that raises is logged on the ``django_anarchon`` logger and never
 breaks the scheduler.
 """
@@ -28,6 +29,13 @@ run_interrupted = Signal()
 run_skipped = Signal()
 # This instance took over a run whose runner stopped renewing its lease. Sent with: run (the new attempt).
 run_taken_over = Signal()
+# Slots nobody ran while the whole cluster was down were recorded missed (one record per job and
+# outage; its detail says how many and when). Sent with: run (the missed record).
+run_missed = Signal()
+# A job declared with alert_after has had no successful run for that long. Sent once per lapse,
+# by one instance of the cluster. Sent with: job (its name), last_success (datetime or None),
+# without_success (timedelta since the last success, or since the job was first seen).
+job_overdue = Signal()
 
 
 def send(signal: Signal, **kwargs: Any) -> None:

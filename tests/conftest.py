@@ -169,12 +169,16 @@ class Cluster:
         return env
 
     def start(
-        self, instance_id: str, extra_env: dict[str, str] | None = None, prefix: list[str] | None = None
+        self,
+        instance_id: str,
+        extra_env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+        args: list[str] | None = None,
     ) -> Instance:
         log = self.tmp_path / f"{instance_id}-{len(self.instances)}.log"
         handle = log.open("wb")
         process = subprocess.Popen(
-            [*(prefix or []), sys.executable, str(MANAGE), "anarchon", "--instance-id", instance_id],
+            [*(prefix or []), sys.executable, str(MANAGE), "anarchon", "--instance-id", instance_id, *(args or [])],
             cwd=ROOT,
             env=self.env(extra_env),
             stdout=handle,

@@ -523,3 +523,90 @@ def test_cancel_pending_runs_needs_its_permission_skips_them_and_logs_who(django
     assert Run.objects.get(pk=running.pk).status == Status.RUNNING
     [entry] = LogEntry.objects.filter(object_id=str(waiting.pk))
     assert entry.user.get_username() == "oncall" and "cancelled by oncall" in entry.get_change_message()
+
+
+# -- run data, job page buttons, run again, history -------------------------------------------
+
+
+def history(obj: Any) -> list[str]:
+    from django.contrib.admin.models import LogEntry
+
+    return [entry.get_change_message() for entry in LogEntry.objects.filter(object_id=str(obj.pk)).order_by("id")]
+
+
+def test_run_now_with_data_asks_for_json_checks_it_and_logs_who_asked(
+    admin_client: Client, jobs: dict[str, Job]
+) -> None:
+    JobState.objects.create(name=EVERY)
+    page = act(admin_client, "run_now_with_data", EVERY)
+    assert "Data (JSON)" in text(page) and not Run.objects.exists(), "first the form"
+    post = {"action": "run_now_with_data", "_selected_action": [EVERY], "with_data": "1"}
+    bad = admin_client.post(url("jobstate_changelist"), {**post, "run_data": "{not json"}, follow=True)
+    assert "This is not JSON" in text(bad) and not Run.objects.exists()
+    tuple_data = admin_client.post(
+        url("jobstate_changelist"), {**post, "run_data": '{"k": [1, {"2": 3}]}'}, follow=True
+    )
+    assert "Requested a run of" in text(tuple_data)
+    [run] = Run.objects.filter(job=EVERY)
+    assert (run.reason, run.manual, run.data) == ("manual", True, {"k": [1, {"2": 3}]})
+    assert history(JobState.objects.get(name=EVERY)) == ['Requested a run now with data {"k": [1, {"2": 3}]}.']
+
+
+def test_list_actions_leave_an_entry_in_the_jobs_history(admin_client: Client, jobs: dict[str, Job]) -> None:
+    state = JobState.objects.create(name=EVERY)
+    act(admin_client, "run_now", EVERY)
+    confirm_pause(admin_client, EVERY, reason="deploy")
+    act(admin_client, "resume", EVERY)
+    assert history(state) == ["Requested a run now.", "Paused by admin: deploy", "Resumed by admin"]
+
+
+def test_a_jobs_page_has_run_now_pause_and_resume_buttons(admin_client: Client, jobs: dict[str, Job]) -> None:
+    state = JobState.objects.create(name=EVERY)
+    page = text(admin_client.get(url("jobstate_change", EVERY)))
+    assert 'class="anarchon-run-now"' in page and 'class="anarchon-pause"' in page and "anarchon-resume" not in page
+    response = admin_client.post(url("jobstate_run_now", EVERY), follow=True)
+    assert "Requested a run of" in text(response) and Run.objects.filter(job=EVERY, data__isnull=True).count() == 1
+    form = admin_client.post(url("jobstate_run_now", EVERY), {"with_data": "1"})
+    assert "Data (JSON)" in text(form)
+    admin_client.post(url("jobstate_run_now", EVERY), {"with_data": "1", "run_data": '"eu"'})
+    assert Run.objects.filter(job=EVERY, data="eu").count() == 1
+    assert "Why" in text(admin_client.post(url("jobstate_pause", EVERY))), "pausing asks why first"
+    admin_client.post(url("jobstate_pause", EVERY), {"post": "yes", "reason": "migration"})
+    state.refresh_from_db()
+    assert state.paused and state.pause_note == "Paused by admin: migration"
+    page = text(admin_client.get(url("jobstate_change", EVERY)))
+    assert 'class="anarchon-resume"' in page and 'class="anarchon-pause"' not in page
+    listing = text(admin_client.get(url("jobstate_changelist")))
+    assert 'class="anarchon-paused">paused' in listing, "next due says the job is paused"
+    admin_client.post(url("jobstate_resume", EVERY))
+    state.refresh_from_db()
+    assert not state.paused
+    assert history(state)[-2:] == ["Paused by admin: migration", "Resumed by admin"]
+
+
+def test_the_job_page_buttons_need_their_permissions(django_user_model: Any, jobs: dict[str, Job]) -> None:
+    JobState.objects.create(name=EVERY)
+    viewer = staff_client(django_user_model, "view_jobstate")
+    page = text(viewer.get(url("jobstate_change", EVERY)))
+    assert "anarchon-run-now" not in page and "anarchon-pause" not in page
+    assert viewer.post(url("jobstate_run_now", EVERY)).status_code == 403
+    assert viewer.post(url("jobstate_pause", EVERY), {"post": "yes"}).status_code == 403
+    assert viewer.post(url("jobstate_resume", EVERY)).status_code == 403
+    assert not Run.objects.exists() and not JobState.objects.get(name=EVERY).paused
+
+
+def test_a_run_can_be_run_again_with_the_same_data(admin_client: Client, django_user_model: Any,
+                                                   jobs: dict[str, Job]) -> None:  # fmt: skip
+    old = make_run(status=Status.FAILED, data={"customer": 42})
+    page = text(admin_client.get(url("run_change", old.pk)))
+    assert "Run again with the same data" in page
+    response = admin_client.post(url("run_run_again", old.pk))
+    again = Run.objects.exclude(pk=old.pk).get()
+    assert response.status_code == 302 and response["Location"] == url("run_change", again.pk)
+    assert (again.job, again.data, again.status, again.manual) == (EVERY, {"customer": 42}, "pending", True)
+    assert history(old) == [f"Requested a run of {EVERY} again with the data of run {old.pk}."]
+    viewer = staff_client(django_user_model, "view_run")
+    assert "Run again with the same data" not in text(viewer.get(url("run_change", old.pk)))
+    assert viewer.post(url("run_run_again", old.pk)).status_code == 403
+    gone = make_run(job="not-declared", slot=5)
+    assert "Run again with the same data" not in text(admin_client.get(url("run_change", gone.pk)))

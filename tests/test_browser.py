@@ -171,3 +171,99 @@ def drive_admin(page: Any, base: str, scheduler: subprocess.Popen[bytes], schedu
     assert "heartbeat" in row and "manual" in row and "success" in row and "browser-node" in row
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "run-history.png"), full_page=True)
+
+
+def test_admin_run_data_job_buttons_run_again_and_a_readable_history_at_1366px(tmp_path: Path) -> None:
+    """The admin's newer actions in a real browser, on a laptop-sized window, with screenshots."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing; install Debian's Chromium with: apt-get install chromium")
+    from playwright.sync_api import sync_playwright
+
+    env = example_env(tmp_path / "example.sqlite3")
+    manage(env, "migrate", "--noinput")
+    manage(env, "createsuperuser", "--noinput", "--username", "admin", "--email", "admin@example.com")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server_log, scheduler_log = tmp_path / "runserver.log", tmp_path / "anarchon.log"
+    children: list[subprocess.Popen[bytes]] = []
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        children.append(start(env, server_log, "runserver", "--noreload", f"127.0.0.1:{port}"))
+        children.append(start(env, scheduler_log, "anarchon", "--instance-id", "browser-node"))
+        wait_until_serving(base, children[0], server_log)
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1366, "height": 900})
+                drive_new_actions(page, base, children[1], scheduler_log)
+            finally:
+                browser.close()
+    finally:
+        for child in reversed(children):
+            stop(child)
+
+
+def drive_new_actions(page: Any, base: str, scheduler: subprocess.Popen[bytes], scheduler_log: Path) -> None:
+    page.goto(f"{base}/admin/login/?next=/admin/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_selector("#site-name")
+
+    # "Run now with data…" from the jobs list: the form checks the JSON, then the run fails as asked.
+    page.goto(f"{base}/admin/django_anarchon/jobstate/")
+    page.check("input[name=_selected_action][value=sync-customers]")
+    page.select_option("select[name=action]", "run_now_with_data")
+    page.click("button[name=index]")
+    page.fill("textarea[name=run_data]", "{not json")
+    page.click("input[type=submit].default")
+    assert "This is not JSON" in page.inner_text("#content")
+    page.fill("textarea[name=run_data]", '{"fail": true}')
+    page.screenshot(path=str(ARTIFACTS / "admin-run-now-with-data.png"), full_page=True)
+    page.click("input[type=submit].default")
+    assert "Requested a run of sync-customers" in page.locator("ul.messagelist li.success").first.inner_text()
+    history = f"{base}/admin/django_anarchon/run/?job=sync-customers&reason=manual"
+    deadline = time.monotonic() + 60
+    while not page.locator("#result_list .anarchon-status-failed").count():
+        assert scheduler.poll() is None, scheduler_log.read_text(errors="replace")
+        assert time.monotonic() < deadline, f"no failed manual run after 60 s:\n{page.inner_text('#content')}"
+        time.sleep(0.5)
+        page.goto(history)
+
+    # The run history fits a 1366 px window, error column included.
+    fits = page.evaluate(
+        "document.documentElement.scrollWidth <= window.innerWidth && "
+        "[...document.querySelectorAll('#changelist .results')].every(r => r.scrollWidth <= r.clientWidth)"
+    )
+    error_cell = page.locator("#result_list td.field-short_error").first.bounding_box()
+    results = page.locator("#changelist .results").first.bounding_box()
+    page.screenshot(path=str(ARTIFACTS / "admin-run-history-1366.png"), full_page=True)
+    overflow = page.evaluate("(r => r.scrollWidth - r.clientWidth)(document.querySelector('#changelist .results'))")
+    assert fits, f"the run history scrolls sideways in a 1366 px window ({overflow} px too wide)"
+    assert error_cell is not None and results is not None
+    assert error_cell["x"] + error_cell["width"] <= results["x"] + results["width"] + 1, "the error column is cut"
+    assert "RuntimeError" in page.locator("#result_list td.field-short_error").first.inner_text()
+
+    # "Run again with the same data" on that run: a new pending manual run, with the same data.
+    page.locator("#result_list tbody tr th a").first.click()
+    page.click("button.anarchon-run-again")
+    assert "again with the data of run" in page.locator("ul.messagelist li.success").first.inner_text()
+    assert '"fail": true' in page.inner_text("#content")
+    page.screenshot(path=str(ARTIFACTS / "admin-run-again.png"), full_page=True)
+
+    # A job's own page: Pause… (asks why), then Resume; both in the job's history.
+    page.goto(f"{base}/admin/django_anarchon/jobstate/heartbeat/change/")
+    page.click("button.anarchon-pause")
+    page.fill("textarea[name=reason]", "browser test")
+    page.click("input[type=submit].default")
+    assert "Paused heartbeat" in page.locator("ul.messagelist li.success").first.inner_text()
+    assert page.locator("button.anarchon-resume").count() == 1
+    page.goto(f"{base}/admin/django_anarchon/jobstate/")
+    assert "paused" in page.locator("#result_list tr", has_text="heartbeat").first.inner_text()
+    page.goto(f"{base}/admin/django_anarchon/jobstate/heartbeat/change/")
+    page.click("button.anarchon-resume")
+    assert "Resumed heartbeat" in page.locator("ul.messagelist li.success").first.inner_text()
+    page.goto(f"{base}/admin/django_anarchon/jobstate/heartbeat/history/")
+    entries = page.inner_text("#change-history")
+    page.screenshot(path=str(ARTIFACTS / "admin-job-history.png"), full_page=True)
+    assert "Paused by admin: browser test" in entries and "Resumed by admin" in entries

@@ -146,6 +146,11 @@ def test_e005_a_jobs_module_declares_a_bad_job(
         "from django_anarchon import scheduler\n"
         "scheduler.every('good-one', '10s', print)\n"
         "scheduler.cron('bad-one', '0 0 30 2 *', print)\n"
+        "@scheduler.every('bad-two', '10 parsecs')\n"
+        "def two(ctx): pass\n"
+        "@scheduler.every('bad-three', '1s')\n"
+        "def three(): pass\n"
+        "scheduler.every('good-two', '1m', print)\n"
     )
     importlib.invalidate_caches()
     monkeypatch.setattr(tests.testapp, "__path__", [*tests.testapp.__path__, str(tmp_path)])
@@ -155,8 +160,10 @@ def test_e005_a_jobs_module_declares_a_bad_job(
         sys.modules.pop(f"tests.testapp.{module}", None)
 
     messages = run_checks(tags=["anarchon"])
-    assert anarchon_ids(messages) == ["anarchon.E005"]
-    [error] = check_jobs()
+    assert anarchon_ids(messages) == ["anarchon.E005"] * 3, "every bad job of the module, each once"
+    error, two, three = check_jobs()
+    assert "'bad-two'" in two.msg and "'10 parsecs'" in two.msg
+    assert "'bad-three'" in three.msg and "exactly one argument" in three.msg
     assert isinstance(error, Error) and error.id == "anarchon.E005"
     assert "'bad-one'" in error.msg and "'0 0 30 2 *'" in error.msg and "never fires" in error.msg
     assert error.obj == f"tests.testapp.{module}"
@@ -227,4 +234,5 @@ def test_manage_py_check_reports_a_bad_jobs_module_and_fails() -> None:
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "anarchon.E005" in result.stderr and "'nightly'" in result.stderr
+    assert result.stderr.count("'0 0 30 2 *'") == 1, "the message once, not also logged"
     assert "anarchon.E003" in result.stderr

@@ -30,6 +30,7 @@ def test_list_shows_jobs_schedules_next_due_times_and_pauses(cluster: Cluster) -
     assert tick.startswith("tick") and "every 1h30m" in tick and "timeout=300s" in tick
     assert "cron 30 2 * * * (Europe/Paris)" in paris and "PAUSED" in paris
     assert ("CET" in paris or "CEST" in paris) and ":30:00" in paris
+    assert tick.index("next ") == paris.index("next "), "the columns line up, however long a schedule"
 
 
 def test_run_runs_one_job_in_the_foreground_as_manual(cluster: Cluster) -> None:
@@ -54,7 +55,31 @@ def test_run_of_a_failing_job_exits_non_zero_with_the_error(cluster: Cluster) ->
     result = cluster.manage("anarchon", "--run", "bad")
     assert result.returncode == 1
     assert "ValueError: boom in bad" in result.stderr
+    assert "Traceback (most recent call last)" in result.stderr and 'jobs.py", line' in result.stderr, (
+        "the handler's own traceback is printed"
+    )
     assert Run.objects.get(job="bad").status == "failed"
+
+
+def test_the_command_refuses_to_start_on_a_database_that_lacks_the_migrations(cluster: Cluster, tmp_path: Path) -> None:
+    from django.db import connection
+
+    if connection.vendor != "sqlite":
+        pytest.skip("one database is enough to show it: a fresh SQLite file stands for an unmigrated database")
+    result = cluster.manage("anarchon", extra_env={"ANARCHON_TEST_DB_NAME": str(tmp_path / "never-migrated.sqlite3")})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "lacks django_anarchon's migrations 0001_initial" in result.stderr
+    assert "run `python manage.py migrate` first" in result.stderr
+
+
+def test_verbosity_2_turns_on_debug_logging(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "x", "every": ON_DEMAND}]
+    quiet = cluster.manage("anarchon", "--run", "x")
+    assert quiet.returncode == 0, quiet.stderr
+    assert " DEBUG " not in quiet.stderr
+    loud = cluster.manage("anarchon", "--run", "x", "-v", "2")
+    assert loud.returncode == 0, loud.stderr
+    assert " DEBUG django_anarchon " in loud.stderr, loud.stderr
 
 
 def test_run_of_an_unknown_job_names_the_declared_ones(cluster: Cluster) -> None:

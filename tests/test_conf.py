@@ -198,3 +198,29 @@ def test_nothing_is_written_into_django_settings() -> None:
         assert raw == {"LEASE_TTL": "1m"}
         assert settings.ANARCHON is raw
         assert dict(vars(settings._wrapped)) == before
+
+
+def test_a_negative_shutdown_grace_is_called_negative_and_zero_is_offered() -> None:
+    with pytest.raises(SettingsError) as caught:
+        parse({"SHUTDOWN_GRACE": -1})
+    assert (
+        str(caught.value)
+        == "ANARCHON['SHUTDOWN_GRACE']: -1 is negative; use 0 (hand over at once) or a positive duration"
+    )
+
+
+def test_bad_data_names_the_setting_once() -> None:
+    with pytest.raises(SettingsError) as caught:
+        parse({"DATA": {"when": (1, 2)}})
+    message = str(caught.value)
+    assert message.startswith("ANARCHON['DATA']: the value must be JSON-serialisable") and message.count("DATA") == 1
+    assert "the tuple at ['when'] would come back as a list" in message
+
+
+@pytest.mark.parametrize("attempts", [0, -1, 1.5, True, "3"])
+def test_bad_max_attempts(attempts: object) -> None:
+    settings_error({"MAX_ATTEMPTS": attempts}, "ANARCHON['MAX_ATTEMPTS']", repr(attempts))
+
+
+def test_max_attempts_none_means_no_limit() -> None:
+    assert parse({"MAX_ATTEMPTS": None}).max_attempts is None

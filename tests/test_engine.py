@@ -793,3 +793,19 @@ def test_an_instance_learns_of_a_new_peer_when_it_next_claims(monkeypatch: pytes
     clock.ahead = 2.0  # type: ignore[attr-defined]
     engine.dispatch_due()
     assert engine.shares.peers == tuple(sorted([engine.token, "newcomer"]))
+
+
+def test_run_missed_is_sent_for_slots_nobody_ran(sched: Scheduler, received: Any) -> None:
+    collector = Received(signals.run_missed)
+    try:
+        sched.every("weekly", "10s", lambda ctx: None)
+        base = (int(time.time()) // 10 - 5) * 10_000
+        [run] = store.decide([store.Claim(sched.job("weekly"), base)], owner="gone", instance_id="gone", ttl=30,
+                             capacity=1).won  # fmt: skip
+        store.finish(run.id, owner="gone", status="success")
+        start(sched)
+        [call] = wait_for(lambda: collector.calls, 5, what="run_missed")
+        missed = call["run"]
+        assert missed.status == "missed" and missed.job == "weekly" and "slot(s) missed" in missed.detail
+    finally:
+        collector.close()

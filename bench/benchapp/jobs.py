@@ -17,6 +17,13 @@ def handler_for(spec: jobset.JobSpec) -> Callable[[Context], Any]:
         def handler(ctx: Context) -> None:
             record(ctx.name, ctx.slot, time.time(), ctx.attempt, ctx.reason)
 
+    elif spec.kind == "orm":
+        from bench.benchapp.models import Tick
+
+        def handler(ctx: Context) -> None:
+            record(ctx.name, ctx.slot, time.time(), ctx.attempt, ctx.reason)
+            Tick.objects.create(job=ctx.name, slot=ctx.slot)  # what real handlers do: a row written
+
     elif spec.kind == "sleep":
         seconds = spec.seconds
 

@@ -8,3 +8,14 @@ class ClaimRef(models.Model):
 
     def __str__(self) -> str:
         return str(self.k)
+
+
+class Tick(models.Model):
+    """The row an ``orm`` benchmark handler writes: what a real handler does (a query, a row written)."""
+
+    job = models.CharField(max_length=200)
+    slot = models.BigIntegerField()
+    at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.job}@{self.slot}"

@@ -11,12 +11,9 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from django import forms
 from django.contrib import admin, messages
-from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.db.models import OuterRef, QuerySet, Subquery
 from django.http import HttpRequest, HttpResponse
-from django.template.response import TemplateResponse
 from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.text import Truncator
@@ -28,7 +25,6 @@ import django_anarchon
 from .. import store
 from ..conf import get_settings
 from ..durations import format_ms
-from ..exceptions import UnknownJobError
 from ..models import Instance, JobState, Run
 from .display import (
     ReadOnlyAdmin,
@@ -39,6 +35,7 @@ from .display import (
     status_badge,
     when,
 )
+from .job_actions import JobPageButtons, PauseForm, RunDataForm, form_page, pause, request_run, resume
 
 
 class DeclaredFilter(admin.SimpleListFilter):
@@ -61,20 +58,8 @@ class DeclaredFilter(admin.SimpleListFilter):
         return queryset
 
 
-class PauseForm(forms.Form):
-    """The note asked for on the pause confirmation page."""
-
-    reason = forms.CharField(
-        label=_("Why"),
-        required=False,
-        max_length=1000,
-        widget=forms.Textarea(attrs={"rows": 3, "cols": 60}),
-        help_text=_("Stored with your user name as the pause note and shown in the jobs list."),
-    )
-
-
 @admin.register(JobState)
-class JobStateAdmin(ReadOnlyAdmin):
+class JobStateAdmin(JobPageButtons, ReadOnlyAdmin):
     """The jobs: declared ones and those left in the database; changed only through actions."""
 
     list_display = [
@@ -90,7 +75,8 @@ class JobStateAdmin(ReadOnlyAdmin):
     list_filter = ["paused", DeclaredFilter]
     search_fields = ["name"]
     ordering = ["name"]
-    actions = ["run_now", "pause", "resume"]
+    actions = ["run_now", "run_now_with_data", "pause", "resume"]
+    change_form_template = "admin/django_anarchon/jobstate/change_form.html"
     fieldsets = [
         (None, {"fields": ["name", "schedule_in_words", "options", "handler", "next_due"]}),
         (_("History"), {"fields": ["last_run", "last_status", "runs", "missed_count", "first_seen_at"]}),
@@ -112,6 +98,21 @@ class JobStateAdmin(ReadOnlyAdmin):
                 last_run_status=Subquery(latest.values("status")[:1]),
             )
         )
+
+    class Media:
+        css = {"all": ["django_anarchon/admin.css"]}
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """A job's page, with the buttons the user may use."""
+        extra = {
+            "can_run": self.has_run_permission(request) and declared_job(object_id) is not None,
+            "can_pause": self.has_pause_permission(request),
+            "can_resume": self.has_resume_permission(request),
+            **(extra_context or {}),
+        }
+        return super().change_view(request, object_id, form_url, extra)
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         """The jobs list, after giving every declared job its row."""
@@ -176,7 +177,15 @@ class JobStateAdmin(ReadOnlyAdmin):
         job = declared_job(state.name)
         if job is None:
             return self.get_empty_value_display()
-        return when(datetime.fromtimestamp(job.schedule.next_after(int(time.time() * 1000)) / 1000, tz=timezone.utc))
+        due = when(datetime.fromtimestamp(job.schedule.next_after(int(time.time() * 1000)) / 1000, tz=timezone.utc))
+        if state.paused:
+            return format_html(
+                '<span class="anarchon-paused">{}</span> <del title="{}">{}</del>',
+                gettext("paused"),
+                gettext("its scheduled slots are not run while it is paused"),
+                due,
+            )
+        return due
 
     @admin.display(description=_("last run"), ordering="last_run_at")
     def last_run(self, state: JobState) -> str:
@@ -225,11 +234,21 @@ class JobStateAdmin(ReadOnlyAdmin):
     @admin.action(description=_("Run now"), permissions=["run"])
     def run_now(self, request: HttpRequest, queryset: QuerySet[JobState]) -> None:
         """Record a pending manual run of each selected job; a scheduler instance runs it."""
+        self._request_runs(request, list(queryset), None)
+
+    @admin.action(description=_("Run now with data…"), permissions=["run"])
+    def run_now_with_data(self, request: HttpRequest, queryset: QuerySet[JobState]) -> HttpResponse | None:
+        """Ask for the run's data (JSON) on a form, then record a pending manual run of each selected job."""
+        form = RunDataForm(request.POST if "run_data" in request.POST else None)
+        if not form.is_bound or not form.is_valid():
+            return form_page(self, request, "run_now_confirmation.html", gettext("Run now"), list(queryset), form)
+        self._request_runs(request, list(queryset), form.cleaned_data["run_data"])
+        return None
+
+    def _request_runs(self, request: HttpRequest, states: list[JobState], data: Any) -> None:
         requested, undeclared = [], []
-        for state in queryset:
-            try:
-                django_anarchon.run_now(state.name)
-            except UnknownJobError:
+        for state in states:
+            if request_run(self, request, state, data) is None:
                 undeclared.append(state.name)
             else:
                 requested.append(state.name)
@@ -263,15 +282,10 @@ class JobStateAdmin(ReadOnlyAdmin):
         """Ask for a note on a confirmation page, then pause the selected jobs with it."""
         form = PauseForm(request.POST if "post" in request.POST else None)
         if not form.is_bound or not form.is_valid():
-            return self._pause_confirmation(request, queryset, form)
+            return form_page(self, request, "pause_confirmation.html", gettext("Pause jobs"), list(queryset), form)
         reason = form.cleaned_data["reason"].strip()
-        user = request.user.get_username()
-        if reason:
-            note = gettext("Paused by %(user)s: %(reason)s") % {"user": user, "reason": reason}
-        else:
-            note = gettext("Paused by %(user)s") % {"user": user}
         states = list(queryset)
-        paused = [s.name for s in states if s.pause(note)]
+        paused = [s.name for s in states if pause(self, request, s, reason)]
         if paused:
             message = ngettext("Paused %(names)s.", "Paused %(count)d jobs: %(names)s.", len(paused))
             self.message_user(request, message % {"count": len(paused), "names": ", ".join(paused)}, messages.SUCCESS)
@@ -285,7 +299,7 @@ class JobStateAdmin(ReadOnlyAdmin):
     def resume(self, request: HttpRequest, queryset: QuerySet[JobState]) -> None:
         """Resume the selected paused jobs; the paused period is never caught up."""
         states = list(queryset)
-        resumed = [s.name for s in states if s.resume()]
+        resumed = [s.name for s in states if resume(self, request, s)]
         if resumed:
             message = ngettext("Resumed %(names)s.", "Resumed %(count)d jobs: %(names)s.", len(resumed))
             self.message_user(request, message % {"count": len(resumed), "names": ", ".join(resumed)})
@@ -293,24 +307,6 @@ class JobStateAdmin(ReadOnlyAdmin):
             skipped = len(states) - len(resumed)
             message = ngettext("%(count)d job was not paused.", "%(count)d jobs were not paused.", skipped)
             self.message_user(request, message % {"count": skipped}, messages.WARNING)
-
-    def _pause_confirmation(self, request: HttpRequest, queryset: QuerySet[JobState], form: PauseForm) -> HttpResponse:
-        opts = self.opts
-        context = {
-            **self.admin_site.each_context(request),
-            "title": gettext("Pause jobs"),
-            "opts": opts,
-            "queryset": queryset,
-            "form": form,
-            "action_checkbox_name": ACTION_CHECKBOX_NAME,
-            "media": self.media,
-        }
-        request.current_app = self.admin_site.name
-        templates = [
-            f"admin/{opts.app_label}/{opts.model_name}/pause_confirmation.html",
-            f"admin/{opts.app_label}/pause_confirmation.html",
-        ]
-        return TemplateResponse(request, templates, context)
 
     def _instances_alive(self) -> bool:
         since = store.database_time() - timedelta(seconds=3 * get_settings().lease_ttl)

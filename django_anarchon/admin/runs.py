@@ -5,16 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
+from django.urls import path, reverse
 from django.utils.html import format_html
 from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+import django_anarchon
+
 from .. import store
-from ..models import Run, Status
-from .display import ReadOnlyAdmin, format_seconds, moment_column, pretty_json, status_badge
+from ..exceptions import UnknownJobError
+from ..models import JobState, Run, Status
+from .display import ReadOnlyAdmin, declared_job, format_seconds, moment_column, pretty_json, status_badge
 
 
 @admin.register(Run)
@@ -35,9 +41,65 @@ class RunAdmin(ReadOnlyAdmin):
     list_filter = ["status", "job", "reason"]
     search_fields = ["job", "instance_id", "error_message"]
     date_hierarchy = "scheduled_at"
-    ordering = ["-scheduled_at", "-attempt"]
+    ordering = ["-scheduled_at", "-id"]  # newest first; later attempts (higher ids) before earlier ones
     list_per_page = 50
     actions = ["cancel"]
+    change_form_template = "admin/django_anarchon/run/change_form.html"
+
+    class Media:
+        css = {"all": ["django_anarchon/admin.css"]}
+
+    def get_urls(self) -> list[Any]:
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+        view = self.admin_site.admin_view(self.run_again_view)
+        return [path("<path:object_id>/run-again/", view, name=f"{prefix}_run_again"), *super().get_urls()]
+
+    def has_run_again_permission(self, request: HttpRequest) -> bool:
+        """May the user request runs (``django_anarchon.run_job``)?"""
+        return request.user.has_perm(f"{self.opts.app_label}.run_job")
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """A run's page, with "Run again with the same data" for a job still declared."""
+        run = self.get_object(request, object_id)
+        extra = {
+            "can_run_again": run is not None
+            and self.has_run_again_permission(request)
+            and declared_job(run.job) is not None,
+            **(extra_context or {}),
+        }
+        return super().change_view(request, object_id, form_url, extra)
+
+    def run_again_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """POST: request a manual run of the same job with this run's data; go to the new run."""
+        if not self.has_run_again_permission(request):
+            raise PermissionDenied
+        run = get_object_or_404(Run, pk=object_id)
+        if request.method != "POST":
+            return HttpResponseRedirect(
+                reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[run.pk])
+            )
+        try:
+            again = django_anarchon.run_now(run.job, run.data)
+        except UnknownJobError:
+            self.message_user(request, gettext("%(name)s is not declared in code.") % {"name": run.job}, messages.ERROR)
+            return HttpResponseRedirect(
+                reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[run.pk])
+            )
+        message = gettext("Requested a run of %(name)s again with the data of run %(pk)s.") % {
+            "name": run.job,
+            "pk": run.pk,
+        }
+        self.log_change(request, run, message)
+        state = JobState.objects.filter(name=run.job).first()
+        if state is not None:
+            self.log_change(request, state, message)
+        self.message_user(request, message, messages.SUCCESS)
+        return HttpResponseRedirect(
+            reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[again.pk])
+        )
+
     show_full_result_count = False  # COUNT(*) over a long history is slow on PostgreSQL
     fieldsets = [
         (None, {"fields": ["job", "status_badge", "reason", "manual", "scheduled", "slot", "attempt"]}),

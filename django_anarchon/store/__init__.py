@@ -44,6 +44,8 @@ from .base import (
 )
 from .claims import decide
 from .housekeeping import (
+    Overdue,
+    claim_overdue_alerts,
     close_undeclared,
     database_time,
     ensure_jobs,
@@ -65,10 +67,12 @@ __all__ = [
     "Claim",
     "DbNow",
     "Outcome",
+    "Overdue",
     "Poll",
     "alias",
     "cancel_pending",
     "claim_manual",
+    "claim_overdue_alerts",
     "claim_pending",
     "close_undeclared",
     "create_manual",

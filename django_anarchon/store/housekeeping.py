@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, transaction
-from django.db.models import DateTimeField, ExpressionWrapper, Q
+from django.db.models import DateTimeField, ExpressionWrapper, Max, Q
 
 from ..dbtime import DbNow
 from ..models import Instance, JobState, Status
@@ -94,9 +95,13 @@ def register_instance(token: str, instance_id: str, host: str, pid: int) -> None
         instances.bulk_create([Instance(token=token, started_at=DbNow(), **values)], ignore_conflicts=True)
 
 
-def heartbeat(token: str, instance_id: str, host: str, pid: int) -> None:
-    """Refresh this instance's heartbeat (re-registering if its row was pruned)."""
-    if not Instance.objects.using(alias()).filter(token=token).update(last_heartbeat=DbNow()):
+def heartbeat(token: str, instance_id: str, host: str, pid: int, clock_offset_ms: float | None = None) -> None:
+    """Refresh this instance's heartbeat and its clock's offset (re-registering if its row was pruned).
+
+    The loop writes it, so a fresh heartbeat also says the loop turns and reaches the database.
+    """
+    values = {"last_heartbeat": DbNow(), "clock_offset_ms": clock_offset_ms}
+    if not Instance.objects.using(alias()).filter(token=token).update(**values):
         register_instance(token, instance_id, host, pid)
 
 
@@ -199,3 +204,50 @@ def limit_idle_transactions(seconds: float) -> None:
         elif vendor == "mysql" and getattr(connection, "mysql_is_mariadb", False):
             cursor.execute("SET SESSION idle_transaction_timeout = %s", [max(1, math.ceil(seconds))])
     _guarded.connections[db] = raw
+
+
+@dataclass(frozen=True)
+class Overdue:
+    """A job that has had no success for longer than its ``alert_after``."""
+
+    job: str
+    last_success: datetime | None
+    without_success: timedelta  # since the last success, or since the job was first seen
+
+
+def claim_overdue_alerts(jobs: Iterable[Job]) -> list[Overdue]:
+    """The jobs among ``jobs`` (those with ``alert_after``) now overdue whose alert this caller is to send.
+
+    A job is overdue when its last success (or, if it never succeeded, when it was
+    first seen) is older than its ``alert_after`` by the database clock. The alert
+    is claimed by a conditional UPDATE of the job's ``overdue_alerted_at`` (only
+    if no alert was sent since the last success), so one instance of the
+    cluster sends it, once per lapse; a success afterwards arms it again.
+    """
+    wanted = {job.name: job for job in jobs if job.alert_after_ms}
+    if not wanted:
+        return []
+    db = alias()
+    now = database_time()
+    last = dict(
+        _runs()
+        .filter(job__in=list(wanted), status=Status.SUCCESS)
+        .values("job")
+        .annotate(at=Max("finished_at"))
+        .values_list("job", "at")
+    )
+    states = JobState.objects.using(db).filter(name__in=list(wanted), paused=False)
+    found = []
+    for name, first_seen, alerted in states.values_list("name", "first_seen", "overdue_alerted_at"):
+        since = last.get(name) or first_seen
+        if since is None:
+            continue
+        silent = now - since
+        if silent <= timedelta(milliseconds=wanted[name].alert_after_ms or 0):
+            continue
+        if alerted is not None and alerted >= since:
+            continue  # sent for this lapse already
+        armed = Q(overdue_alerted_at__isnull=True) | Q(overdue_alerted_at__lt=since)
+        if JobState.objects.using(db).filter(armed, name=name).update(overdue_alerted_at=DbNow()):
+            found.append(Overdue(name, last.get(name), silent))
+    return found

@@ -16,7 +16,7 @@ def heartbeat(ctx: Context) -> None:
     logger.info("heartbeat for %s on %s", ctx.scheduled_at.isoformat(), ctx.instance_id)
 
 
-@scheduler.cron("paris-report", "*/2 * * * *", timezone="Europe/Paris", timeout="1m")
+@scheduler.cron("paris-report", "*/2 * * * *", timezone="Europe/Paris", timeout="1m", alert_after="10m")
 def paris_report(ctx: Context) -> None:
     """Every two minutes of Paris wall time; the slot makes the report window the same on every attempt."""
     window_end = ctx.slot

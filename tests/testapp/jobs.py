@@ -153,3 +153,19 @@ for spec in json.loads(os.environ.get("ANARCHON_TEST_JOBS", "[]")):
         scheduler.every(name, spec.pop("every"), handler, **spec)
     else:
         scheduler.cron(name, spec.pop("cron"), handler, **spec)
+
+
+def note_overdue(sender: Any, job: str, without_success: Any = None, **kwargs: Any) -> None:
+    """Process tests count job_overdue alerts: one row per alert, whichever instance sent it."""
+    from .models import Execution
+
+    Execution.objects.create(
+        job=job, slot=0, attempt=0, reason="", instance_id=os.environ.get("ANARCHON_TEST_INSTANCE", ""),
+        pid=os.getpid(), event="overdue", at=time.time(), note=str(without_success),
+    )  # fmt: skip
+
+
+if os.environ.get("ANARCHON_TEST_CHILD"):
+    from django_anarchon.signals import job_overdue
+
+    job_overdue.connect(note_overdue, weak=False)

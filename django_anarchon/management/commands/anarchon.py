@@ -28,6 +28,16 @@ def _instance_id(value: str) -> str:
     return value
 
 
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 < port < 65536:
+        raise ArgumentTypeError(f"{port} is not a port number (1-65535)")
+    return port
+
+
 def _json(value: str) -> Any:
     try:
         return json.loads(value)
@@ -46,12 +56,27 @@ class Command(BaseCommand):
         action = parser.add_mutually_exclusive_group()
         action.add_argument("--list", action="store_true", help="List the jobs, their schedules and next due times.")
         action.add_argument("--run", metavar="NAME", help="Run job NAME once in the foreground (reason 'manual').")
+        action.add_argument(
+            "--check",
+            action="store_true",
+            help="Exit 0 if a scheduler instance (with --instance-id: that one) is alive and well, else 1 "
+            "with the reason. For health probes; runs no scheduler.",
+        )
         parser.add_argument("--data", type=_json, help="JSON data for --run (becomes ctx.data).")
+        parser.add_argument(
+            "--metrics-port",
+            type=_port,
+            metavar="PORT",
+            help="Serve Prometheus metrics on this port (needs django-anarchon[prometheus]).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         self._configure_logging(options["verbosity"])
         if options["list"]:
             self._list()
+            return
+        if options["check"]:
+            self._check_health(options["instance_id"])
             return
         from django_anarchon import store
 
@@ -60,6 +85,7 @@ class Command(BaseCommand):
         # scheduler retries until the database is back (those checks run on the next start).
         try:
             self.check(databases=[store.alias()], tags=[Tags.database])
+            _refuse_unapplied_migrations(store.alias())
         except DatabaseError as error:
             logging.getLogger("django_anarchon").warning(
                 "Database unreachable at start (%s); skipped the checks that need it, retrying", error
@@ -69,19 +95,35 @@ class Command(BaseCommand):
             return
         if options["data"] is not None:
             raise CommandError("--data only applies to --run")
+        if options["metrics_port"]:
+            from django_anarchon import metrics
+
+            try:
+                metrics.serve(options["metrics_port"])
+            except (AnarchonError, OSError) as error:
+                raise CommandError(f"--metrics-port: {error}") from None
         self._serve(options["instance_id"])
 
     def _configure_logging(self, verbosity: int) -> None:
+        """Log to stderr unless the project's LOGGING already handles ``django_anarchon``.
+
+        ``-v 0`` logs warnings and errors only, ``-v 2`` and more debug too (whatever
+        LOGGING says: they are asked for on the command line); the default ``-v 1``
+        logs from INFO, or at the level LOGGING gives the logger.
+        """
         logger = logging.getLogger("django_anarchon")
+        level = {0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
         if logger.hasHandlers() and any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
+            if verbosity != 1:
+                logger.setLevel(level)
             return
         if logging.getLogger().handlers:
-            logger.setLevel(logging.INFO if verbosity else logging.WARNING)
+            logger.setLevel(level)
             return
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel({0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG))
+        logger.setLevel(level)
 
     def _list(self) -> None:
         jobs = scheduler.jobs
@@ -91,6 +133,7 @@ class Command(BaseCommand):
         now = int(datetime.now(timezone.utc).timestamp() * 1000)
         paused = self._paused_names()
         width = max(len(j.name) for j in jobs)
+        schedule_width = max(len(j.schedule.describe()) for j in jobs)
         for job in jobs:
             due = datetime.fromtimestamp(job.schedule.next_after(now) / 1000, tz=timezone.utc)
             tz = getattr(job.schedule, "tz", None)
@@ -101,9 +144,17 @@ class Command(BaseCommand):
             if job.name in paused:
                 flags.append("PAUSED")
             self.stdout.write(
-                f"{job.name:<{width}}  {job.schedule.describe():<32}  next {due:%Y-%m-%d %H:%M:%S} UTC{local}  "
-                + " ".join(flags)
+                f"{job.name:<{width}}  {job.schedule.describe():<{schedule_width}}  "
+                f"next {due:%Y-%m-%d %H:%M:%S} UTC{local}  " + " ".join(flags)
             )
+
+    def _check_health(self, instance_id: str | None) -> None:
+        from django_anarchon.health import check_health
+
+        health = check_health(instance_id)
+        if not health.ok:
+            raise CommandError(f"unhealthy: {health.reason}", returncode=1)
+        self.stdout.write(f"ok: {health.reason}")
 
     def _paused_names(self) -> set[str]:
         from django_anarchon.models import JobState
@@ -120,6 +171,8 @@ class Command(BaseCommand):
             raise CommandError(str(error)) from None
         self.stdout.write(f"{run.job} slot={run.slot} attempt={run.attempt}: {run.status}")
         if run.status != "success":
+            if run.traceback:
+                self.stderr.write(run.traceback.rstrip("\n"))
             raise CommandError(f"the run ended {run.status}: {run.error_type}: {run.error_message}".rstrip(": "))
 
     def _serve(self, instance_id: str | None) -> None:
@@ -151,6 +204,23 @@ class Command(BaseCommand):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _refuse_unapplied_migrations(alias: str) -> None:
+    """Stop with a clear error when django_anarchon's tables are missing or out of date.
+
+    Otherwise the scheduler would start, fail every query with a missing table,
+    and retry quietly for ever. Raises ``DatabaseError`` when the database
+    cannot be reached (the caller starts anyway and retries).
+    """
+    from django_anarchon.health import unapplied_migrations
+
+    missing = unapplied_migrations(alias)
+    if missing:
+        raise CommandError(
+            f"The database {alias!r} lacks django_anarchon's migrations {', '.join(missing)}: "
+            f"run `python manage.py migrate` first."
+        )
 
 
 def _freeze_startup_objects() -> None:

@@ -1,0 +1,191 @@
+"""6. Load at default settings: what a run costs, how late at defaults, how many jobs fit, overload.
+
+Every anarchon figure here is measured with the default settings (``MAX_WORKERS`` 16,
+``POLL_INTERVAL`` 1 s, ``LEASE_TTL`` 30 s) and real ``manage.py anarchon`` processes; the
+references are APScheduler 3's BackgroundScheduler in one process, measured in the same run:
+
+* **cost**: CPU per run of the scheduler processes (user + system, every thread, from
+  ``/proc``) over the measured window, 100 jobs every second, a trivial handler, one instance
+  against APScheduler with its default pool (10 threads);
+* **lateness**: 100 jobs every second, 1 and 3 instances, with the trivial handler (against
+  APScheduler's default pool) and with a handler that writes one row with the ORM (against
+  APScheduler with the same handler and 16 threads, the default ``MAX_WORKERS``);
+* **capacity**: 3 instances and more and more 1 s jobs of the ORM handler: the share of slots
+  started within 1 s of their slot, p99, CPU per run and duplicates; the capacity is the most
+  jobs with at least 99.9 % on time and no duplicate. APScheduler with the same handler and 16
+  threads is measured at the same counts on PostgreSQL;
+* **overload**: twice that many jobs for a while, then most of them paused (the load drops):
+  no slot may run twice, every slot must be run or recorded (skipped, missed) with a reason,
+  and how soon after the drop the remaining jobs start on time again.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench import machine, recorder, stats
+from bench.cluster import ROOT, Cluster
+from bench.context import Context, reset_database, sleep_until
+
+EVERY_MS = 1000
+WARM_UP = 3  # whole seconds from "every instance is ready" to the first measured slot
+ON_TIME_S = 1.0
+ON_TIME_TARGET = 0.999
+
+
+def seconds(quick: bool) -> int:
+    return 10 if quick else 30
+
+
+def window(duration: int, warm_up: int = WARM_UP) -> tuple[int, int]:
+    first = (math.ceil(time.time()) + warm_up) * 1000
+    return first, first + duration * 1000
+
+
+def _on_time(starts: list[recorder.Start], first: int, end: int, expected: int) -> float:
+    """The share of the expected slots whose first start came within ON_TIME_S of the slot."""
+    seen: dict[tuple[str, int], float] = {}
+    for start in starts:
+        if first <= start.slot_ms < end and start.reason != "manual":
+            seen.setdefault((start.job, start.slot_ms), start.lateness)
+    return round(sum(1 for late in seen.values() if late <= ON_TIME_S) / expected, 4) if expected else math.nan
+
+
+def _summary(starts: list[recorder.Start], jobs: int, first: int, end: int, cpu_s: float) -> dict[str, Any]:
+    result = stats.lateness(starts, jobs, EVERY_MS, first, end)
+    result["on_time"] = _on_time(starts, first, end, result["expected"])
+    result["cpu_s"] = round(cpu_s, 3)
+    result["cpu_per_run_ms"] = round(cpu_s / result["runs"] * 1000, 3) if result["runs"] else math.nan
+    return result
+
+
+def apscheduler(ctx: Context, jobs: int, handler: str, workers: int, duration: int) -> dict[str, Any]:
+    """The reference in its own process, with ``workers`` threads and the same handler."""
+    folder = ctx.folder(f"load-aps-{handler}-{jobs}-{workers}")
+    if handler == "orm":
+        reset_database()
+    first, end = window(duration, warm_up=WARM_UP + 2)  # its start-up (Django, APScheduler) takes a second
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.apscheduler_ref", "--jobs", str(jobs), "--every", str(EVERY_MS / 1000)]
+        + ["--until", str(end / 1000 + 1.5), "--out", str(folder), "--workers", str(workers)]
+        + ["--handler", handler, "--db", ctx.db],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
+    sleep_until(first / 1000)
+    cpu_before = machine.process_cpu_s(process.pid) or 0.0
+    sleep_until(end / 1000)
+    cpu_after = machine.process_cpu_s(process.pid) or cpu_before
+    if process.wait(120) != 0:
+        raise RuntimeError(f"the APScheduler reference exited with {process.returncode}")
+    result = _summary(recorder.read(folder), jobs, first, end, cpu_after - cpu_before)
+    return {"what": f"APScheduler 3, 1 process, {workers} threads, {handler} handler", "jobs": jobs, **result}
+
+
+def anarchon(
+    ctx: Context, jobs: int, handler: str, instances: int, duration: int, pause_after: int | None = None
+) -> dict[str, Any]:
+    """``instances`` real instances with default settings; with ``pause_after`` (s), all but a tenth of the
+    jobs are paused that long into the window (the load drops), and the recovery is measured."""
+    from django.db.models import Count
+
+    from django_anarchon.models import JobState, Run
+
+    reset_database()
+    folder = ctx.folder(f"load-{handler}-{jobs}-{instances}")
+    width = len(str(jobs - 1))
+    kept = {f"load-{n:0{width}d}" for n in range(0, jobs, 10)}  # still scheduled after the drop
+    group = [{"prefix": "load", "count": jobs, "every": f"{EVERY_MS}ms", "kind": handler}]
+    with Cluster(ctx.db, folder, group) as cluster:
+        cluster.wait_ready(cluster.start(instances))
+        first, end = window(duration)
+        sleep_until(first / 1000)
+        cpu_before = sum(machine.process_cpu_s(i.pid) or 0.0 for i in cluster.instances)
+        dropped_at = None
+        if pause_after is not None:
+            sleep_until(first / 1000 + pause_after)
+            dropped_at = int(time.time() * 1000)
+            for state in JobState.objects.exclude(name__in=kept):
+                state.pause("benchmark: the load drops")
+        sleep_until(end / 1000)
+        cpu_after = sum(machine.process_cpu_s(i.pid) or 0.0 for i in cluster.instances)
+        sleep_until(end / 1000 + 2.0)
+        errors = sum(i.output().count(" ERROR ") for i in cluster.instances)
+    starts = recorder.read(folder)
+    result = _summary(starts, jobs, first, end, cpu_after - cpu_before)
+    rows = Run.objects.filter(slot__gte=first, slot__lt=end, manual=False)
+    decided = rows.filter(attempt=1).values("job", "slot").distinct().count()
+    result.update(
+        {
+            "instances": instances,
+            "handler": handler,
+            "jobs": jobs,
+            "log_errors": errors,
+            "takeovers": rows.filter(reason="takeover").count(),
+            "statuses": dict(rows.filter(attempt=1).values_list("status").annotate(n=Count("id"))),
+        }
+    )
+    unrecorded = result["expected"] - decided
+    if dropped_at is not None:
+        # A paused job's slots are not run and leave no row: those after the pause are accounted for.
+        after = len(range((dropped_at // 1000 + 1) * 1000, end, EVERY_MS))
+        unrecorded -= (jobs - len(kept)) * after
+        late = [s.slot_ms for s in starts if s.job in kept and s.slot_ms >= dropped_at and s.lateness > ON_TIME_S]
+        result["recovered_after_s"] = round(max(0, max(late, default=dropped_at) - dropped_at) / 1000, 1)
+    result["unaccounted"] = max(0, unrecorded)
+    return result
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    duration = seconds(ctx.quick)
+    results: dict[str, Any] = {"every_s": EVERY_MS / 1000, "on_time_within_s": ON_TIME_S}
+    # Cost and lateness at the defaults, 100 jobs.
+    ctx.log("load: references, APScheduler with the trivial handler (10 threads) and the ORM handler (16)")
+    results["reference_record"] = apscheduler(ctx, 100, "record", 10, duration)
+    results["reference_orm"] = apscheduler(ctx, 100, "orm", 16, duration)
+    results["lateness"] = []
+    for handler in ("record", "orm"):
+        for instances in (1, 3):
+            ctx.log(f"load: 100 jobs, {handler} handler, {instances} instance(s), defaults")
+            measured = anarchon(ctx, 100, handler, instances, duration)
+            ctx.log(
+                f"  p99 {measured['p99_ms']} ms, on time {measured['on_time']:.2%}, "
+                f"CPU/run {measured['cpu_per_run_ms']} ms"
+            )
+            results["lateness"].append(measured)
+    # Capacity: more and more jobs of the ORM handler on three instances.
+    counts = (100, 200, 400) if ctx.quick else (100, 200, 300, 400, 600)
+    if not ctx.primary:
+        counts = counts[:3]
+    results["capacity"] = []
+    for jobs in counts:
+        ctx.log(f"load: capacity, {jobs} jobs, orm handler, 3 instances")
+        measured = anarchon(ctx, jobs, "orm", 3, duration)
+        ctx.log(f"  on time {measured['on_time']:.2%}, p99 {measured['p99_ms']} ms, dup {measured['duplicates']}")
+        results["capacity"].append(measured)
+        if measured["on_time"] < 0.9:
+            break  # far past capacity: the next count says nothing more
+    fitting = [m["jobs"] for m in results["capacity"] if m["on_time"] >= ON_TIME_TARGET and not m["duplicates"]]
+    results["capacity_jobs"] = max(fitting, default=0)
+    if ctx.primary:
+        results["reference_capacity"] = []
+        for jobs in counts[:3]:
+            ctx.log(f"load: APScheduler, {jobs} jobs, orm handler, 16 threads")
+            results["reference_capacity"].append(apscheduler(ctx, jobs, "orm", 16, duration))
+    # Overload: twice the capacity, then the load drops.
+    heavy = max(2 * results["capacity_jobs"], 200)
+    ctx.log(f"load: overload, {heavy} jobs, orm handler, 3 instances, most paused after {duration // 2}s")
+    results["overload"] = anarchon(ctx, heavy, "orm", 3, duration, pause_after=duration // 2)
+    over = results["overload"]
+    ctx.log(
+        f"  duplicates {over['duplicates']}, unaccounted {over['unaccounted']}, takeovers {over['takeovers']}, "
+        f"recovered after {over.get('recovered_after_s')} s"
+    )
+    return results
+
+
+__all__ = ["run", "seconds"]

@@ -1,0 +1,1 @@
+"""Optional integrations with other packages (each imported only where that package is installed)."""

@@ -1,0 +1,159 @@
+"""Prometheus metrics, with the optional extra ``django-anarchon[prometheus]`` (``prometheus-client``).
+
+The scheduler's parts count what they do here; without ``prometheus-client`` every
+metric is a no-op. Everything goes to prometheus-client's default registry: a
+``manage.py anarchon --metrics-port 9464`` process serves it itself, and a web
+process exposes it through whatever already serves that registry
+(``prometheus_client.make_wsgi_app()``, django-prometheus). The cluster-wide
+figures (instances alive, seconds since each job's last success) are read from
+the database at each scrape, so any process can report them.
+
+=================================================  ==========================================
+``anarchon_runs_total{job,status}``                 attempts ended here, by recorded status
+``anarchon_run_lateness_seconds{job}``              slot → handler start (histogram)
+``anarchon_run_duration_seconds{job}``              handler start → end (histogram)
+``anarchon_slots_skipped_total{job,reason}``        slots recorded skipped (busy, no_worker, paused, cancelled)
+``anarchon_slots_missed_total{job}``                slots nobody ran while the cluster was down
+``anarchon_takeovers_total{job}``                   expired leases this instance took over
+``anarchon_hand_overs_total{job}``                  runs this instance handed over at stop
+``anarchon_fencings_total{job}``                    runs this instance gave up (no renewal in time)
+``anarchon_lease_renewals_total{result}``           renewal statements: ok, failed
+``anarchon_claims_total{result}``                   slots claimed: won, lost (decided elsewhere)
+``anarchon_instances_alive``                        instances with a recent heartbeat (database)
+``anarchon_job_last_success_age_seconds{job}``      since each job's last success (database)
+=================================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+logger = logging.getLogger("django_anarchon")
+
+try:
+    import prometheus_client
+    from prometheus_client.core import GaugeMetricFamily
+except ImportError:  # the extra is not installed: every metric is a no-op
+    prometheus_client = None  # type: ignore[assignment]
+
+LATENESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
+
+class _Noop:
+    def labels(self, *args: Any, **kwargs: Any) -> _Noop:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+
+def _metric(kind: str, name: str, documentation: str, labels: tuple[str, ...] = (), **kwargs: Any) -> Any:
+    if prometheus_client is None:
+        return _Noop()
+    return getattr(prometheus_client, kind)(name, documentation, labels, **kwargs)
+
+
+RUNS = _metric("Counter", "anarchon_runs", "Run attempts ended on this instance, by status.", ("job", "status"))
+LATENESS = _metric(
+    "Histogram", "anarchon_run_lateness_seconds", "From the slot to the handler's start.", ("job",),
+    buckets=LATENESS_BUCKETS,
+)  # fmt: skip
+DURATION = _metric(
+    "Histogram", "anarchon_run_duration_seconds", "From the handler's start to its end.", ("job",),
+    buckets=DURATION_BUCKETS,
+)  # fmt: skip
+SKIPPED = _metric("Counter", "anarchon_slots_skipped", "Slots recorded skipped, by reason.", ("job", "reason"))
+MISSED = _metric("Counter", "anarchon_slots_missed", "Slots nobody ran while the whole cluster was down.", ("job",))
+TAKEOVERS = _metric("Counter", "anarchon_takeovers", "Expired leases this instance took over.", ("job",))
+HAND_OVERS = _metric("Counter", "anarchon_hand_overs", "Runs this instance handed over when it stopped.", ("job",))
+FENCINGS = _metric("Counter", "anarchon_fencings", "Runs given up because no renewal came in time.", ("job",))
+RENEWALS = _metric("Counter", "anarchon_lease_renewals", "Lease renewal statements, by result.", ("result",))
+CLAIMS = _metric("Counter", "anarchon_claims", "Slots this instance claimed, by result.", ("result",))
+
+_MISSED_COUNT = re.compile(r"^(\d+) slot")
+
+
+def skip_reason(detail: str) -> str:
+    """The ``reason`` label of a skipped slot, from the detail the store recorded."""
+    if "free worker" in detail:
+        return "no_worker"
+    if "paused" in detail:
+        return "paused"
+    if "cancelled" in detail:
+        return "cancelled"
+    return "busy"
+
+
+def missed(job: str, detail: str) -> None:
+    """Count a ``missed`` record: its detail starts with how many slots it stands for."""
+    found = _MISSED_COUNT.match(detail)
+    MISSED.labels(job).inc(int(found.group(1)) if found else 1)
+
+
+class ClusterCollector:
+    """Cluster-wide gauges read from the database at each scrape (any process can serve them)."""
+
+    @staticmethod
+    def _families() -> tuple[Any, Any]:
+        alive = GaugeMetricFamily("anarchon_instances_alive", "Scheduler instances with a recent heartbeat.")
+        age = GaugeMetricFamily(
+            "anarchon_job_last_success_age_seconds", "Seconds since each job's last successful run.", labels=["job"]
+        )
+        return alive, age
+
+    def describe(self) -> Iterator[Any]:
+        """The metrics' names, without reading the database (registering calls this, not collect)."""
+        yield from self._families()
+
+    def collect(self) -> Iterator[Any]:
+        from datetime import timedelta
+
+        from django.db import DatabaseError
+        from django.db.models import Max
+
+        from . import store
+        from .conf import get_settings
+        from .models import Instance, Run, Status
+
+        alive, age = self._families()
+        try:
+            now = store.database_time()
+            fresh = now - timedelta(seconds=3 * get_settings().heartbeat_every)
+            alive.add_metric([], Instance.objects.using(store.alias()).filter(last_heartbeat__gte=fresh).count())
+            last = (
+                Run.objects.using(store.alias())
+                .filter(status=Status.SUCCESS)
+                .values("job")
+                .annotate(at=Max("finished_at"))
+            )
+            for row in last:
+                if row["at"] is not None:
+                    age.add_metric([row["job"]], (now - row["at"]).total_seconds())
+        except DatabaseError as error:
+            logger.warning("Could not read the cluster metrics from the database (%s)", error)
+            return
+        yield alive
+        yield age
+
+
+if prometheus_client is not None:
+    prometheus_client.REGISTRY.register(ClusterCollector())
+
+
+def serve(port: int, address: str = "0.0.0.0") -> None:  # noqa: S104 - a metrics endpoint is meant to be scraped
+    """Serve the metrics on ``port`` (``manage.py anarchon --metrics-port``)."""
+    if prometheus_client is None:
+        from .exceptions import SettingsError
+
+        raise SettingsError(None, "--metrics-port needs prometheus-client: pip install 'django-anarchon[prometheus]'")
+    prometheus_client.start_http_server(port, addr=address)

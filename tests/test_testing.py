@@ -1,0 +1,97 @@
+"""django_anarchon.testing: a job's handler run inside the test's own transaction, on every database."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import TestCase
+
+from django_anarchon import Context, Interrupted, Scheduler
+from django_anarchon.models import Run
+from django_anarchon.testing import Outcome, make_context, run_job
+from tests.testapp.models import Execution
+
+
+def write_row(ctx: Context) -> str:
+    Execution.objects.create(job=ctx.name, slot=ctx.slot, attempt=ctx.attempt, reason=ctx.reason,
+                             instance_id=ctx.instance_id, pid=0, event="start", at=0.0, data=ctx.data)  # fmt: skip
+    ctx.save_progress({"rows": 1})
+    return "done"
+
+
+async def write_row_async(ctx: Context) -> None:
+    await sync_to_async(write_row)(ctx)
+
+
+def scheduler_with_jobs() -> Scheduler:
+    scheduler = Scheduler()
+    scheduler.every("writer", "1h", write_row, data={"bucket": "b"})
+    scheduler.every("async-writer", "1h", write_row_async)
+    scheduler.every("broken", "1h", lambda ctx: 1 / 0)
+    scheduler.every("stopped", "1h", lambda ctx: ctx.signal.throw_if_aborted())
+    return scheduler
+
+
+@pytest.mark.django_db
+def test_a_handler_runs_in_the_tests_transaction_with_the_schedulers_context() -> None:
+    slot = datetime(2027, 1, 15, 8, tzinfo=timezone.utc)
+    outcome = run_job("writer", slot=slot, scheduler=scheduler_with_jobs())
+    assert (outcome.status, outcome.error, outcome.result, outcome.progress) == ("success", None, "done", {"rows": 1})
+    [row] = Execution.objects.all()
+    assert (row.job, row.slot, row.attempt, row.reason, row.data) == ("writer", 1_800_000_000_000, 1, "scheduled",
+                                                                      {"bucket": "b"})  # fmt: skip
+    assert not Run.objects.exists(), "nothing is claimed or recorded"
+
+
+@pytest.mark.django_db
+def test_an_async_handler_uses_the_tests_connection_too() -> None:
+    outcome = run_job("async-writer", data={"given": True}, reason="manual", scheduler=scheduler_with_jobs())
+    assert outcome.status == "success", outcome.error
+    assert Execution.objects.get().data == {"given": True}
+    assert outcome.context.manual is True
+
+
+@pytest.mark.django_db
+def test_failures_and_interruptions_are_outcomes_not_exceptions() -> None:
+    scheduler = scheduler_with_jobs()
+    failed = run_job("broken", scheduler=scheduler)
+    assert failed.status == "failed" and isinstance(failed.error, ZeroDivisionError)
+    with pytest.raises(ZeroDivisionError):
+        failed.raise_error()
+    ctx_signal = make_context("stopped").signal
+    ctx_signal.abort(Interrupted("stopping"))
+    stopped = run_job("stopped", signal=ctx_signal, scheduler=scheduler)
+    assert stopped.status == "interrupted" and isinstance(stopped.error, Interrupted)
+
+
+def test_make_context_checks_what_the_scheduler_checks() -> None:
+    saved: list[Any] = []
+    ctx = make_context("report", slot=1_800_000_000_000, data={"a": 1}, attempt=2, reason="takeover",
+                       progress={"page": 3}, on_save_progress=saved.append)  # fmt: skip
+    assert ctx.scheduled_at == datetime(2027, 1, 15, 8, tzinfo=timezone.utc)
+    assert (ctx.attempt, ctx.reason, ctx.manual, ctx.progress) == (2, "takeover", False, {"page": 3})
+    ctx.save_progress({"page": 4})
+    assert saved == [{"page": 4}] and ctx.progress == {"page": 4}
+    with pytest.raises(TypeError, match="JSON"):
+        ctx.save_progress({1, 2})
+    with pytest.raises(ValueError, match="naive"):
+        make_context(slot=datetime(2027, 1, 1))
+
+
+@pytest.mark.django_db
+def test_the_fixture(run_job: Any) -> None:
+    assert run_job("writer", scheduler=scheduler_with_jobs()).status == "success"
+
+
+class InDjangoTestCase(TestCase):
+    def test_writes_are_rolled_back_with_the_test(self) -> None:
+        outcome: Outcome = run_job("writer", scheduler=scheduler_with_jobs())
+        self.assertEqual(outcome.status, "success")
+        self.assertEqual(Execution.objects.count(), 1)
+
+    def test_and_the_next_test_starts_clean(self) -> None:
+        self.assertEqual(Execution.objects.count(), 0)
+        self.assertEqual(run_job("async-writer", scheduler=scheduler_with_jobs()).status, "success")
