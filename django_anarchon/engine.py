@@ -113,6 +113,7 @@ class Engine:
             token=self.token,
             instance_id=self.instance_id,
             lease_ttl=settings.lease_ttl,
+            max_workers=settings.max_workers,
             event_loop=self.event_loop,
             watch=self.keeper.watch,
         )
@@ -171,10 +172,9 @@ class Engine:
         for active in self.table.all():
             active.finished.wait(max(0.0, deadline - time.monotonic()))
         clean = self.table.hand_over_stragglers(grace)
-        # Runs that are still recording their end get a moment to do so.
+        # Ends still being recorded (the stragglers' hand-overs too) get a moment more.
         for active in self.table.all():
-            if active.state == "finishing":
-                active.finished.wait(max(0.0, min(2.0, deadline + 2.0 - time.monotonic())))
+            active.ended.wait(max(0.0, min(2.0, deadline + 2.0 - time.monotonic())))
         self.keeper.stop()
         self.runner.workers.close()
         for thread in self._threads:
@@ -220,10 +220,16 @@ class Engine:
             return self._loop
 
     def _run_exited(self, active: ActiveRun) -> None:
-        """A run's worker is done with it (or it timed out): its job and a worker are free."""
+        """A run is over (or timed out): its job is free; wake the loop if something waits for it.
+
+        Pending runs of the job wait for it (a poll claims them), or due slots wait for room;
+        otherwise the loop sleeps on: a wake-up per run would cost a loop turn per run.
+        """
         if active.run.job in self._waiting_jobs:
             self._poll_requested = True
-        self._wake.set()
+            self._wake.set()
+        elif self._room_wanted:
+            self._wake.set()
 
     def _handler_returned(self) -> None:
         """A run's handler is over: if slots wait for room, let the loop claim them now."""
@@ -392,7 +398,7 @@ class Engine:
             sent = fresh
         active = ActiveRun(run, self.jobs[run.job], renewed_at=sent)
         self.table.add(active)
-        self.keeper.wake()
+        self.keeper.held(active)
         self.runner.start(active)
         return active
 

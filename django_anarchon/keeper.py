@@ -34,6 +34,10 @@ class Keeper:
         self.stopped = threading.Event()
         self.renew_wake = threading.Event()
         self.watch_wake = threading.Event()
+        # When each thread means to look again (monotonic): a new run only wakes a thread that
+        # would otherwise look too late for it (most runs end before either is due).
+        self._renew_at = 0.0
+        self._watch_at = 0.0
 
     def wake(self) -> None:
         """A run was adopted or a deadline set: look again now."""
@@ -43,6 +47,13 @@ class Keeper:
     def watch(self) -> None:
         """A deadline was just set: the watchdog looks again."""
         self.watch_wake.set()
+
+    def held(self, active: ActiveRun) -> None:
+        """A run was just adopted: wake the threads only if they mean to look later than it needs."""
+        if active.renewed_at + self.settings.renew_every < self._renew_at:
+            self.renew_wake.set()
+        if active.renewed_at + self.settings.fence_after < self._watch_at:
+            self.watch_wake.set()
 
     def stop(self) -> None:
         self.stopped.set()
@@ -73,7 +84,9 @@ class Keeper:
                 if now >= due(held):
                     held = [a for a in held if now - a.renewed_at >= every / 2]
                     retry_at = self._renew(held, every)
-                self.renew_wake.wait(max(0.01, min(due(held_runs()) - time.monotonic(), 1.0)))
+                wait = max(0.01, min(due(held_runs()) - time.monotonic(), 1.0))
+                self._renew_at = time.monotonic() + wait
+                self.renew_wake.wait(wait)
                 self.renew_wake.clear()
         finally:
             connections.close_all()
@@ -119,5 +132,7 @@ class Keeper:
                     candidates.append(active.renewed_at + fence_after - now)
                     if active.deadline is not None and active.overran():
                         candidates.append(active.deadline - now)
-            self.watch_wake.wait(max(0.005, min(candidates)))
+            wait = max(0.005, min(candidates))
+            self._watch_at = now + wait
+            self.watch_wake.wait(wait)
             self.watch_wake.clear()

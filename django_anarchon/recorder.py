@@ -6,8 +6,10 @@ run. Recording from the run's thread instead would open a database connection
 per run wherever the worker's own connection is not kept.
 
 The recorder knows rows, not the runs an instance holds: an ending carries the
-run's row, how long its lease can be live (``lease_until``) and what to do when
-its end cannot be recorded at all (``on_give_up``).
+run's row, how long its lease can be live (``lease_until``) and what to do once
+it is written or given up (``then``, called on the recorder's thread with the
+result). A worker hands its run's ending over with :meth:`Recorder.submit` and
+goes on to the next run without waiting.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Ending:
 
     run: Run
     lease_until: Callable[[], float]  # monotonic time after which the run's lease may have run out
-    on_give_up: Callable[[], None]  # nothing could be recorded: stop renewing, let a takeover run it
+    then: Callable[[Any], None] | None = None  # called with the result once settled (recorder's thread)
     status: str = ""
     hand_over: bool = False
     max_attempts: int | None = None
@@ -70,6 +72,11 @@ class Ending:
     def settle(self, result: Any) -> None:
         self.result = result
         self.done.set()
+        if self.then is not None:
+            try:
+                self.then(result)
+            except Exception:
+                logger.exception("Internal error after recording the end of %r", self.run.job)
 
 
 class Recorder:
@@ -84,13 +91,17 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def record(self, ending: Ending) -> Any:
-        """Queue ``ending`` and wait until it is written (or given up); return its result."""
+    def submit(self, ending: Ending) -> None:
+        """Queue ``ending`` to be written; its ``then`` is called once it is (or was given up)."""
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="anarchon-recorder", daemon=True)
                 self._thread.start()
         self._queue.put(ending)
+
+    def record(self, ending: Ending) -> Any:
+        """Queue ``ending`` and wait until it is written (or given up); return its result."""
+        self.submit(ending)
         ending.done.wait()
         return ending.result
 
@@ -170,8 +181,7 @@ class Recorder:
             then,
             extra={"job": run.job, "slot": run.slot, "attempt": run.attempt, "instance": self.instance_id},
         )
-        ending.settle(None)
-        ending.on_give_up()
+        ending.settle(None)  # its then() stops the renewals: the lease runs out and a takeover runs it
 
     def _write(self, endings: Sequence[Ending]) -> None:
         """Write every ending not yet settled; raise only what a retry may fix."""

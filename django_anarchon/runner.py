@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import functools
+import collections
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,12 +19,9 @@ from .conf import check_json
 from .context import Context
 from .models import Reason
 from .runs import ActiveRun, Phase, RunTable, log_fields
-from .workers import CLOCK_RECHECK_S, Starter, Starting, Workers, tidy_connections
+from .workers import CLOCK_RECHECK_S, Starter, Workers, tidy_connections
 
 logger = logging.getLogger("django_anarchon")
-# The longest a run whose handler has returned holds back its ending for runs still
-# starting (see workers.Starting): a burst of a few hundred runs starts well within it.
-ENDING_DEFER_S = 0.05
 
 
 async def _invoke(handler: Callable[[Context], Any], ctx: Context) -> BaseException | None:
@@ -46,7 +44,14 @@ async def _invoke(handler: Callable[[Context], Any], ctx: Context) -> BaseExcept
 
 
 class Runner:
-    """Executes the attempts an instance holds, on worker threads."""
+    """Executes the attempts an instance holds, on at most ``MAX_WORKERS`` worker threads at once.
+
+    A run released when no worker is free waits in a local queue, and the next
+    worker whose handler returns takes it at once: the instance may hold more
+    runs than it has workers when its handlers are quick (see
+    :meth:`RunTable.capacity`), and those start a moment later instead of being
+    left undecided and claimed again.
+    """
 
     def __init__(
         self,
@@ -56,6 +61,7 @@ class Runner:
         token: str,
         instance_id: str,
         lease_ttl: float,
+        max_workers: int,
         event_loop: Callable[[], asyncio.AbstractEventLoop],
         watch: Callable[[], None],
     ) -> None:
@@ -64,11 +70,14 @@ class Runner:
         self.token = token
         self.instance_id = instance_id
         self.lease_ttl = lease_ttl
+        self.max_workers = max_workers
         self.event_loop = event_loop  # where async handlers run, started on first use
         self.watch = watch  # a deadline was just set: the watchdog should look again
         self.workers = Workers()
-        self.starting = Starting()
-        self.starter = Starter(clock.exact_ms, self._hand_on, releasing=self.starting.add)
+        self.starter = Starter(clock.exact_ms, self._hand_on)
+        self._lock = threading.Lock()
+        self._executing = 0  # tasks on workers (each runs attempts until the local queue is empty)
+        self._ready: collections.deque[ActiveRun] = collections.deque()  # released, waiting for a worker
 
     def start(self, active: ActiveRun) -> None:
         """Execute ``active`` on a worker: at once, or at its slot if it was claimed ahead."""
@@ -76,97 +85,81 @@ class Runner:
         if active.run.slot > self.clock.now_ms():
             self.starter.add(active)
         else:
-            self.starting.add()
             self._hand_on(active)
 
+    def waiting(self) -> int:
+        """How many released runs wait for a free worker."""
+        return len(self._ready)
+
     def _hand_on(self, active: ActiveRun) -> None:
-        """Give a run already counted in :attr:`starting` to a worker."""
+        """Give a released run to a worker, or queue it for the next worker that is free."""
+        with self._lock:
+            if self._executing >= self.max_workers:
+                self._ready.append(active)
+                return
+            self._executing += 1
         try:
-            self.workers.submit(active, self._execute)
+            self.workers.submit(active, self._work)
         except BaseException:
-            self.starting.begun()
+            with self._lock:
+                self._executing -= 1
             raise
+
+    def _work(self, active: ActiveRun) -> None:
+        """A worker's task: run ``active``, then every run that waits for a worker, then leave."""
+        current: ActiveRun | None = active
+        while current is not None:
+            try:
+                self._execute(current)
+            except Exception:
+                logger.exception("Internal error while running %r", current.run.job, extra={"job": current.run.job})
+            with self._lock:
+                if self._ready:
+                    current = self._ready.popleft()
+                else:
+                    current = None
+                    self._executing -= 1
 
     # -- in the run's thread --------------------------------------------------------------
 
-    def _execute(self, active: ActiveRun) -> bool:
-        """Wait for the run's slot, call its handler, end it; whether its ending was queued (see below).
-
-        A handler that returns while runs of the same instant still wait for a
-        worker (a hundred trivial jobs due at once) leaves its ending to a task
-        of its own, queued behind those starts, and this thread, which holds the
-        GIL, takes the next start at once, as thread pools do.
-        """
-        starting = True
-        ending = False  # _end() exits the run from here on
-        try:
-            run = active.run
-            while (early := (run.slot - self.clock.now_ms()) / 1000) > 0:
-                if active.signal.wait(min(early, CLOCK_RECHECK_S)):
-                    break  # stopped (or lost) before its slot: ended below, never started
-            # The last moment before the handler: a run whose lease this instance may
-            # no longer hold (the process was frozen while the run waited for its slot,
-            # and another instance has taken it over) is fenced here, and a run already
-            # lost, fenced or stopped is never started and sends no run_started.
-            self.table.fence_if_overdue(active)
-            if active.state is not Phase.RUNNING or active.signal.aborted:
-                starting = False
-                self.starting.begun()
-                self.table.returned(active)
-                self.table.finish(active, active.signal.reason, started=False)
-                return False
-            active.started = time.monotonic()
-            metrics.LATENESS.labels(run.job).observe(max(0.0, self.clock.exact_ms() - run.slot) / 1000)
-            if active.job.timeout_ms:
-                active.deadline = active.started + active.job.timeout_ms / 1000
-                self.watch()
-            if run.reason == Reason.TAKEOVER:
-                signals.send(signals.run_taken_over, run=run)
-            signals.send(signals.run_started, run=run)
-            if logger.isEnabledFor(logging.INFO):  # spares building the fields in a burst of starts
-                logger.info(
-                    "Run started: %s slot=%s attempt=%d reason=%s instance=%s",
-                    run.job,
-                    run.slot,
-                    run.attempt,
-                    run.reason,
-                    self.instance_id,
-                    extra=log_fields(run, self.instance_id),
-                )
-            starting = False
-            self.starting.begun()
-            error = self._call(active)
-            tidy_connections()  # before this thread takes another task: no transaction left open
+    def _execute(self, active: ActiveRun) -> None:
+        """Wait for the run's slot, call its handler, hand the ending to the run table (which records it)."""
+        run = active.run
+        while (early := (run.slot - self.clock.now_ms()) / 1000) > 0:
+            if active.signal.wait(min(early, CLOCK_RECHECK_S)):
+                break  # stopped (or lost) before its slot: ended below, never started
+        # The last moment before the handler: a run whose lease this instance may
+        # no longer hold (the process was frozen while the run waited for its slot,
+        # and another instance has taken it over) is fenced here, and a run already
+        # lost, fenced or stopped is never started and sends no run_started.
+        self.table.fence_if_overdue(active)
+        if active.state is not Phase.RUNNING or active.signal.aborted:
             self.table.returned(active)
-            if self.starting.pending():
-                self.workers.follow(active, functools.partial(self._end, error=error))
-                ending = True
-                return True
-            ending = True
-            self._end(active, error)
-        except Exception:
-            logger.exception("Internal error while running %r", active.run.job, extra={"job": active.run.job})
-        finally:
-            if starting:
-                self.starting.begun()
-            if not ending:
-                self._exited(active)
-        return False
-
-    def _end(self, active: ActiveRun, error: BaseException | None) -> bool:
-        """End a run whose handler has returned, once the runs due with it have started."""
-        try:
-            self.starting.wait_done(ENDING_DEFER_S)
-            self.table.finish(active, error)
-        except Exception:
-            logger.exception("Internal error while ending %r", active.run.job, extra={"job": active.run.job})
-        finally:
-            self._exited(active)
-        return False
-
-    def _exited(self, active: ActiveRun) -> None:
-        tidy_connections()  # the signal receivers': kept for the next run if still sound
-        self.table.exited(active)
+            self.table.finish(active, active.signal.reason, started=False)
+            return
+        active.started = time.monotonic()
+        active.ran = True
+        metrics.LATENESS.labels(run.job).observe(max(0.0, self.clock.exact_ms() - run.slot) / 1000)
+        if active.job.timeout_ms:
+            active.deadline = active.started + active.job.timeout_ms / 1000
+            self.watch()
+        if run.reason == Reason.TAKEOVER:
+            signals.send(signals.run_taken_over, run=run)
+        signals.send(signals.run_started, run=run)
+        if logger.isEnabledFor(logging.INFO):  # spares building the fields in a burst of starts
+            logger.info(
+                "Run started: %s slot=%s attempt=%d reason=%s instance=%s",
+                run.job,
+                run.slot,
+                run.attempt,
+                run.reason,
+                self.instance_id,
+                extra=log_fields(run, self.instance_id),
+            )
+        error = self._call(active)
+        tidy_connections()  # before this thread takes another run: no transaction left open
+        self.table.returned(active)
+        self.table.finish(active, error)
 
     def _context(self, active: ActiveRun) -> Context:
         run = active.run
@@ -218,4 +211,4 @@ class Runner:
         return None
 
 
-__all__ = ["ENDING_DEFER_S", "Runner"]
+__all__ = ["Runner"]

@@ -31,8 +31,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from django.db import connections
-
 from . import metrics, signals, store
 from .conf import AnarchonSettings
 from .exceptions import AttemptsExhausted, Interrupted
@@ -54,6 +52,11 @@ class Phase(str, enum.Enum):
     DONE = "done"  # ended; its lease is no longer renewed
 
 
+# Runs beyond MAX_WORKERS that an instance claims when its handlers are quick: as many as its
+# free workers start within this long, judged by recent handler durations (see capacity()), and
+# at most HEADROOM_FACTOR times MAX_WORKERS.
+QUICK_WINDOW_S = 0.1
+HEADROOM_FACTOR = 4
 # How loud the end line of a run is, by the status recorded (anything else: INFO).
 END_LEVELS: dict[str, int] = {Status.FAILED: logging.ERROR, Status.INTERRUPTED: logging.WARNING}
 # An attempt's cause of ending, as log lines say it ("Run ended after it was timed out").
@@ -78,7 +81,9 @@ class ActiveRun:
         self.returned = False  # the handler is over (or never started): no longer uses a worker
         self.returned_at: float | None = None  # monotonic time it did
         self.cause: str | None = None
-        self.finished = threading.Event()  # set when its worker is done with it
+        self.finished = threading.Event()  # set when its handler is over and its end recorded (or given up)
+        self.ended = threading.Event()  # set when its end is recorded, given up, or decided elsewhere
+        self.ran = False  # its handler was called
         self._state = Phase.RUNNING
         self._lock = threading.Lock()
 
@@ -100,6 +105,7 @@ class ActiveRun:
     def done(self) -> None:
         with self._lock:
             self._state = Phase.DONE
+        self.ended.set()
 
     def overran(self) -> bool:
         """Whether the handler was still running when its timeout passed (decided by what came first)."""
@@ -179,6 +185,7 @@ class RunTable:
         self.on_returned = on_returned  # a handler returned: a worker is free
         self._active: dict[int, ActiveRun] = {}
         self._lock = threading.Lock()
+        self._typical_s: float | None = None  # recent handler durations (moving average), for capacity()
 
     # -- the table -------------------------------------------------------------------------
 
@@ -195,9 +202,31 @@ class RunTable:
             return list(self._active.values())
 
     def capacity(self) -> int:
-        """How many more runs may start here: ``MAX_WORKERS`` less the runs whose handler has not returned."""
+        """How many more runs this instance may claim now.
+
+        ``MAX_WORKERS`` less the runs whose handler has not returned (running,
+        waiting for a worker, or claimed ahead of their slot), plus a
+        *headroom* when handlers are quick: as many more as the workers not
+        tied up in a long handler can start within ``QUICK_WINDOW_S``, judged
+        by recent handler durations. A hundred trivial jobs due at once are
+        then claimed together and started a few milliseconds apart by sixteen
+        workers, rather than sixteen at a time, each round a claim of its own;
+        a slow handler leaves no headroom, so nobody waits behind it.
+        """
+        now = time.monotonic()
         with self._lock:
-            return self.settings.max_workers - sum(1 for active in self._active.values() if not active.returned)
+            busy = long = 0
+            for active in self._active.values():
+                if not active.returned:
+                    busy += 1
+                    if active.ran and now - active.started > QUICK_WINDOW_S:
+                        long += 1
+        limit = self.settings.max_workers
+        headroom = 0
+        if self._typical_s is not None:
+            free_soon = max(0, limit - long)
+            headroom = min(HEADROOM_FACTOR * limit, int(free_soon * QUICK_WINDOW_S / max(self._typical_s, 1e-4)))
+        return limit + headroom - busy
 
     def returned(self, active: ActiveRun) -> None:
         """The run's handler is over: its worker no longer counts against ``MAX_WORKERS``.
@@ -206,10 +235,14 @@ class RunTable:
         """
         active.returned_at = time.monotonic()
         active.returned = True
+        if active.ran:
+            took = active.returned_at - active.started
+            typical = self._typical_s
+            self._typical_s = took if typical is None else 0.9 * typical + 0.1 * took
         self.on_returned()
 
     def exited(self, active: ActiveRun) -> None:
-        """The run's worker is done with it."""
+        """The run's handler is over and its end recorded (or decided elsewhere): it leaves the table."""
         active.finished.set()
         with self._lock:
             self._active.pop(active.run.id, None)  # type: ignore[arg-type]
@@ -218,26 +251,30 @@ class RunTable:
     # -- endings decided here --------------------------------------------------------------
 
     def finish(self, active: ActiveRun, error: BaseException | None, *, started: bool = True) -> None:
-        """End a run whose handler returned (``error`` None) or raised, or that never started."""
+        """End a run whose handler returned (``error`` None) or raised, or that never started.
+
+        The end is handed to the recorder without waiting: the worker is free
+        for the next run at once, and the run leaves the table (its lease
+        renewed until then) once the end is recorded, when the log line is
+        written and the signal sent.
+        """
         if not active.begin_finish():
             cause = CAUSE_WORDS.get(active.cause or "", "ended")
             if started:
                 self._log_end(active, f"ended after it was {cause}", after="; its end changes nothing")
             else:
                 self._log_end(active, f"not started: it was {cause} before its slot", level=logging.WARNING)
+            self.exited(active)
             return
-        try:
-            if error is not None and active.signal.aborted and active.cause == "stop":
-                self._hand_over(active, error)
-            elif error is None and active.overran():
-                # It returned after its deadline, before the watchdog came round: the timeout came first.
-                self._record(active, Status.FAILED, timeout_error(active))
-            elif error is None:
-                self._record(active, Status.SUCCESS, None)
-            else:
-                self._record(active, Status.FAILED, error)
-        finally:
-            active.done()
+        if error is not None and active.signal.aborted and active.cause == "stop":
+            self._hand_over(active, error, leave=True)
+        elif error is None and active.overran():
+            # It returned after its deadline, before the watchdog came round: the timeout came first.
+            self._record(active, Status.FAILED, timeout_error(active), leave=True)
+        elif error is None:
+            self._record(active, Status.SUCCESS, None, leave=True)
+        else:
+            self._record(active, Status.FAILED, error, leave=True)
 
     def lose(self, active: ActiveRun, why: str) -> None:
         """This process no longer holds ``active``: abort its handler, record nothing."""
@@ -317,17 +354,8 @@ class RunTable:
             ):
                 error = timeout_error(active)
                 active.abort("timeout", error)
-                threading.Thread(
-                    target=self._record_timeout, args=(active, error), name="anarchon-timeout", daemon=True
-                ).start()
-
-    def _record_timeout(self, active: ActiveRun, error: TimeoutError) -> None:
-        try:
-            self._record(active, Status.FAILED, error)
-        finally:
-            active.done()
-            connections.close_all()  # this thread's own
-            self.on_exit(active)  # not exited: the handler may still hold its worker; the job is free
+                # Recorded now; the run leaves the table when its handler returns (it holds a worker).
+                self._record(active, Status.FAILED, error, leave=False)
 
     def stop(self, instance_id: str) -> None:
         """Abort every handler's signal: the scheduler is stopping."""
@@ -351,10 +379,7 @@ class RunTable:
                     grace,
                     extra=log_fields(active.run, self.instance_id),
                 )
-                try:
-                    self._hand_over(active, None)
-                finally:
-                    active.done()
+                self._hand_over(active, None, leave=False)
         return clean
 
     # -- endings decided elsewhere (the loop's claims and takeovers) -----------------------
@@ -362,8 +387,8 @@ class RunTable:
     def interrupted_elsewhere(self, rows: list[Run]) -> None:
         """Runs a claim just recorded interrupted (``overlap="replace"``): abort ours, signal."""
         for row in rows:
-            self.outbox(signals.run_interrupted, run=row, exception=None)
-            self.lose_id(row.id, f"it was {describe_loss(row)}")
+            self._announce(signals.run_interrupted, run=row, exception=None)
+            self.lose_id(row.id, describe_loss(row))
 
     def skipped(self, rows: list[Run]) -> None:
         """Slots a claim just recorded skipped (the job was busy, or no free worker)."""
@@ -376,13 +401,13 @@ class RunTable:
                 row.detail,
                 extra={**log_fields(row, self.instance_id), "status": row.status},
             )
-            self.outbox(signals.run_skipped, run=row)
+            self._announce(signals.run_skipped, run=row)
 
     def missed(self, rows: list[Run]) -> None:
         """Records of slots nobody ran while the whole cluster was down (one per outage and job)."""
         for row in rows:
             metrics.missed(row.job, row.detail)
-            self.outbox(signals.run_missed, run=row)
+            self._announce(signals.run_missed, run=row)
 
     def taken_over(self, old: Run, new: Run | None, starts_here: bool) -> None:
         """This instance took over ``old`` (its lease expired): ``new`` is the next attempt, or None (given up)."""
@@ -401,7 +426,7 @@ class RunTable:
             "starts here" if starts_here else "is pending",
             extra={**log_fields(old, self.instance_id), "status": old.status},
         )
-        self.outbox(signals.run_interrupted, run=old, exception=None)
+        self._announce(signals.run_interrupted, run=old, exception=None)
 
     def _gave_up(self, old: Run) -> None:
         logger.error(
@@ -411,66 +436,88 @@ class RunTable:
             old.error_message,
             extra={**log_fields(old, self.instance_id), "status": old.status},
         )
-        self.outbox(signals.run_failed, run=old, exception=AttemptsExhausted(old.error_message))
+        self._announce(signals.run_failed, run=old, exception=AttemptsExhausted(old.error_message))
 
     # -- recording -------------------------------------------------------------------------
 
-    def _ending(self, active: ActiveRun, **fields: Any) -> Ending:
+    def _ending(self, active: ActiveRun, then: Any, **fields: Any) -> Ending:
         ttl = self.settings.lease_ttl
-        return Ending(
-            run=active.run,
-            lease_until=lambda: active.renewed_at + ttl,
-            on_give_up=active.done,
-            **fields,
-        )
+        return Ending(run=active.run, lease_until=lambda: active.renewed_at + ttl, then=then, **fields)
 
-    def _record(self, active: ActiveRun, status: str, error: BaseException | None) -> None:
-        """Record a final status for a run we are ending, then signal and log it."""
+    def _settled(self, active: ActiveRun, leave: bool) -> None:
+        """The end of ``active`` is recorded (or given up): stop renewing; leave the table if the handler is over."""
+        active.done()
+        if leave:
+            self.exited(active)
+        else:
+            self.on_exit(active)  # the job is free for its next slot; the handler still holds its worker
+
+    def _record(self, active: ActiveRun, status: str, error: BaseException | None, *, leave: bool) -> None:
+        """Have a final status recorded for a run we are ending; then it is logged and signalled."""
         run = active.run
         kind, message, text = describe_error(error) if error is not None else ("", "", "")
-        ending = self._ending(active, status=status, error_type=kind, error_message=message, traceback=text)
-        ours = self.recorder.record(ending)
-        if ours is None:
-            return  # logged by the recorder: nothing could be recorded in time
-        if not ours:
-            self._log_end(
-                active, "ended but was no longer ours to record (lease expired or taken over)", level=logging.WARNING
-            )
-            return
-        run.status, run.error_type, run.error_message, run.traceback = status, kind, message, text
-        run.finished_at = store.slot_datetime(int(time.time() * 1000))
-        metrics.RUNS.labels(run.job, status).inc()
-        metrics.DURATION.labels(run.job).observe(time.monotonic() - active.started)
-        self._log_end(active, error=error)
-        if status == Status.SUCCESS:
-            signals.send(signals.run_succeeded, run=run)
-        else:
-            signals.send(signals.run_failed, run=run, exception=error)
 
-    def _hand_over(self, active: ActiveRun, error: BaseException | None) -> None:
-        """Mark the run interrupted and leave its next attempt pending for another instance."""
+        def recorded(ours: Any) -> None:  # on the recorder's thread
+            try:
+                if ours is None:
+                    return  # logged by the recorder: nothing could be recorded in time
+                if not ours:
+                    self._log_end(
+                        active,
+                        "ended but was no longer ours to record (lease expired or taken over)",
+                        level=logging.WARNING,
+                    )
+                    return
+                run.status, run.error_type, run.error_message, run.traceback = status, kind, message, text
+                run.finished_at = store.slot_datetime(int(time.time() * 1000))
+                metrics.RUNS.labels(run.job, status).inc()
+                if active.ran:
+                    metrics.DURATION.labels(run.job).observe((active.returned_at or time.monotonic()) - active.started)
+                self._log_end(active, error=error)
+                if status == Status.SUCCESS:
+                    self._announce(signals.run_succeeded, run=run)
+                else:
+                    self._announce(signals.run_failed, run=run, exception=error)
+            finally:
+                self._settled(active, leave)
+
+        ending = self._ending(active, recorded, status=status, error_type=kind, error_message=message, traceback=text)
+        self.recorder.submit(ending)
+
+    def _hand_over(self, active: ActiveRun, error: BaseException | None, *, leave: bool) -> None:
+        """Have the run marked interrupted and its next attempt left pending for another instance."""
         detail = f"interrupted on {self.instance_id} by stop(); handed over to the next attempt"
-        ending = self._ending(active, hand_over=True, detail=detail, max_attempts=self.settings.max_attempts)
-        pair = self.recorder.record(ending)
-        if not pair:
-            return
-        old, new = pair
-        active.run = old
-        metrics.RUNS.labels(old.job, old.status).inc()
-        if new is None:
-            self._log_end(active)
-            signals.send(signals.run_failed, run=old, exception=AttemptsExhausted(old.error_message))
-            return
-        self._log_end(active)
-        metrics.HAND_OVERS.labels(old.job).inc()
-        logger.info(
-            "Handed over %s slot=%s: attempt %d is pending for another instance",
-            old.job,
-            old.slot,
-            new.attempt,
-            extra=log_fields(new, self.instance_id),
-        )
-        signals.send(signals.run_interrupted, run=old, exception=error)
+
+        def handed(pair: Any) -> None:  # on the recorder's thread
+            try:
+                if not pair:
+                    return
+                old, new = pair
+                active.run = old
+                metrics.RUNS.labels(old.job, old.status).inc()
+                self._log_end(active)
+                if new is None:
+                    self._announce(signals.run_failed, run=old, exception=AttemptsExhausted(old.error_message))
+                    return
+                metrics.HAND_OVERS.labels(old.job).inc()
+                logger.info(
+                    "Handed over %s slot=%s: attempt %d is pending for another instance",
+                    old.job,
+                    old.slot,
+                    new.attempt,
+                    extra=log_fields(new, self.instance_id),
+                )
+                self._announce(signals.run_interrupted, run=old, exception=error)
+            finally:
+                self._settled(active, leave)
+
+        ending = self._ending(active, handed, hand_over=True, detail=detail, max_attempts=self.settings.max_attempts)
+        self.recorder.submit(ending)
+
+    def _announce(self, signal: Any, **kwargs: Any) -> None:
+        """Send a signal through the outbox, unless nobody listens (a run's end costs nothing then)."""
+        if signal.has_listeners(Run):
+            self.outbox(signal, **kwargs)
 
     def _log_end(
         self,

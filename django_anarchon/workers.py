@@ -70,24 +70,21 @@ def tidy_connections() -> None:
 
 
 class Workers:
-    """Daemon threads that run handlers: idle ones wait for work, a new one starts when none is idle.
+    """Daemon threads that run tasks: idle ones wait for work, a new one starts when none is idle.
 
-    Reusing threads keeps the start of a run to a queue hand-off. A handler
-    that ignores its signal past a timeout keeps its thread; the pool simply
-    starts another, and being daemons, such threads never hold up exit.
-    Threads idle for a minute leave.
-
-    A task returns whether it queued a follow-up with :meth:`follow`: its
-    thread then stays reserved for one queued task (it is not counted idle),
-    so every task in the queue has a thread on its way.
+    Reusing threads keeps the start of a run to a queue hand-off; the runner
+    caps how many tasks run at once (``MAX_WORKERS``). A handler that ignores
+    its signal past a timeout keeps its thread; the pool simply starts another,
+    and being daemons, such threads never hold up exit. Threads idle for a
+    minute leave, and close their database connections.
     """
 
     IDLE_EXIT = 60.0
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Callable[[ActiveRun], bool], ActiveRun] | None] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[Callable[[ActiveRun], None], ActiveRun] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        # One token per idle thread not yet reserved for a task. deque.append() and
+        # One token per idle thread not yet taken by a task. deque.append() and
         # pop() are atomic: a hundred runs released at once do not queue on a lock.
         self._idle: collections.deque[None] = collections.deque()
         self._count = itertools.count(1)
@@ -95,10 +92,10 @@ class Workers:
 
     @property
     def idle(self) -> int:
-        """How many threads wait for a task and are not reserved for one."""
+        """How many threads wait for a task."""
         return len(self._idle)
 
-    def submit(self, active: ActiveRun, work: Callable[[ActiveRun], bool]) -> None:
+    def submit(self, active: ActiveRun, work: Callable[[ActiveRun], None]) -> None:
         self._tasks.put((work, active))
         try:
             self._idle.pop()
@@ -107,14 +104,6 @@ class Workers:
             thread = threading.Thread(target=self._serve, name=f"anarchon-worker-{next(self._count)}", daemon=True)
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
-
-    def follow(self, active: ActiveRun, work: Callable[[ActiveRun], bool]) -> None:
-        """Queue ``work`` behind the tasks already queued; only a worker's own task calls this.
-
-        That task must then return True: its thread is the one reserved for the
-        new task, and takes the first queued task when it is done with its own.
-        """
-        self._tasks.put((work, active))
 
     def close(self) -> None:
         """Let every thread leave once it is done with its task, closing its connections (the scheduler stops)."""
@@ -130,14 +119,16 @@ class Workers:
                 try:
                     self._idle.pop()
                 except IndexError:
-                    continue  # reserved for a task on its way
+                    continue  # taken by a task on its way
                 connections.close_all()  # this thread's own, kept between runs
-                return  # nobody reserved this thread: leave
+                return  # nobody needs this thread: leave
             if task is None:
                 connections.close_all()
                 return
             work, active = task
-            if not work(active):
+            try:
+                work(active)
+            finally:
                 self._idle.append(None)
 
 
@@ -157,11 +148,9 @@ class Starter:
         self,
         now_ms: Callable[[], float],
         release: Callable[[ActiveRun], None],
-        releasing: Callable[[int], None] | None = None,
     ) -> None:
         self._now_ms = now_ms
         self._release = release
-        self._releasing = releasing  # told how many runs are about to be released, before the first
         self._waiting: list[tuple[int, int, ActiveRun]] = []  # a heap by slot
         self._order = itertools.count()
         self._changed = threading.Condition()
@@ -203,8 +192,6 @@ class Starter:
                         heapq.heapify(self._waiting)
                         break
                     self._changed.wait(min((self._waiting[0][0] - now) / 1000, CLOCK_RECHECK_S))
-            if self._releasing is not None:
-                self._releasing(len(due))
             for _, _, active in sorted(due, key=lambda entry: entry[:2]):
                 try:
                     self._release(active)
@@ -212,44 +199,4 @@ class Starter:
                     logger.exception("Internal error while starting %r", active.run.job, extra={"job": active.run.job})
 
 
-class Starting:
-    """Counts the runs handed to a worker whose handler has not been called yet.
-
-    A handler that returns while other runs are still starting (a hundred due
-    at the same instant) waits for them, for at most ``ENDING_DEFER_S``, before
-    its ending is recorded: that work (the outcome handed to the recorder, the
-    signals, the log line, waking the loop) would otherwise take the GIL from
-    the starts still to come, about doubling how long a burst takes to start
-    (docs/performance.md).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count = 0
-        self._none = threading.Event()
-        self._none.set()
-
-    def add(self, count: int = 1) -> None:
-        """``count`` runs are about to be handed to workers (counted before the first is, so
-        that the first to begin cannot find none left while the rest are being handed on)."""
-        with self._lock:
-            self._count += count
-            self._none.clear()
-
-    def pending(self) -> bool:
-        """Whether a run handed to a worker has not had its handler called yet."""
-        return self._count > 0
-
-    def begun(self) -> None:
-        with self._lock:
-            self._count -= 1
-            if self._count <= 0:
-                self._count = 0
-                self._none.set()
-
-    def wait_done(self, timeout: float) -> bool:
-        """Wait until no run is starting, or ``timeout`` seconds; whether none is."""
-        return self._none.wait(timeout)
-
-
-__all__ = ["CLOCK_RECHECK_S", "Starter", "Starting", "Workers", "tidy_connections"]
+__all__ = ["CLOCK_RECHECK_S", "Starter", "Workers", "tidy_connections"]

@@ -6,13 +6,13 @@ asked, and runs are unsaved rows.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import pytest
 
 from django_anarchon import Interrupted, signals
-from django_anarchon import runner as runner_module
 from django_anarchon.clock import Clock
 from django_anarchon.conf import parse
 from django_anarchon.models import Run
@@ -34,6 +34,7 @@ class Ends:
         if active.begin_finish():
             active.done()
         self.calls.append((active, error, started))
+        self.table.exited(active)
 
 
 def make_runner(
@@ -50,6 +51,7 @@ def make_runner(
         token="token",
         instance_id="runner-test",
         lease_ttl=parsed.lease_ttl,
+        max_workers=parsed.max_workers,
         event_loop=lambda: pytest.fail("no async handler here"),  # type: ignore[arg-type, return-value]
         watch=lambda: None,
     )
@@ -63,57 +65,49 @@ def hold(table: RunTable, job: Job, run_id: int, slot: int) -> ActiveRun:
     return active
 
 
-def test_a_handler_that_returns_while_runs_still_wait_to_start_queues_its_ending_behind_them(
+def test_runs_released_beyond_max_workers_wait_for_the_next_free_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most MAX_WORKERS handlers at once; the rest start, in order, on the workers that free up."""
+    runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=2)
+    gate = threading.Event()
+    started: list[str] = []
+
+    def blocking(ctx: Any) -> None:
+        started.append(ctx.name)
+        gate.wait(5)
+
+    for n in range(5):
+        runner.start(
+            hold(table, build_job("interval", f"j{n}", "1s", blocking, {}), n + 1, int(time.time() * 1000) - 5)
+        )
+    wait_for(lambda: len(started) == 2, 5, what="two handlers")
+    time.sleep(0.2)
+    assert started == ["j0", "j1"] and runner.waiting() == 3, "the others wait for a worker"
+    gate.set()
+    wait_for(lambda: len(ends.calls) == 5, 5, what="every run")
+    assert started == ["j0", "j1", "j2", "j3", "j4"]
+    assert runner.workers.started == 2, "no thread beyond MAX_WORKERS"
+
+
+def test_a_worker_goes_on_to_the_next_run_without_waiting_for_the_previous_end_to_be_recorded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Its thread takes the queued ending (or the next start) at once; the ending waits for the burst's starts.
-
-    Every run of a burst woke a thread of its own: a hundred trivial runs due at
-    once started one every ~50 µs, over 5 ms.
-    """
-    monkeypatch.setattr(runner_module, "ENDING_DEFER_S", 5.0)
-    runner, table, ends = make_runner(monkeypatch)
-    job = build_job("interval", "quick", "1s", lambda ctx: None, {})
-    first = hold(table, job, 1, int(time.time() * 1000) - 5)
-    runner.starting.add()  # one more run of the same instant, not started yet
-    runner.start(first)
-    wait_for(lambda: first.returned, 5, what="the handler to return")
-    time.sleep(0.2)
-    assert ends.calls == [] and not first.finished.is_set(), "ended only once the other run has started"
-    runner.starting.begun()  # the other run's handler is called
-    wait_for(lambda: first.finished.is_set(), 5, what="the ending")
-    assert [a for a, _, _ in ends.calls] == [first] and table.get(1) is None
-    assert runner.workers.started == 1, "the handler's own thread took its ending"
-
-    alone = hold(table, job, 2, int(time.time() * 1000) - 5)
-    runner.start(alone)
-    wait_for(lambda: alone.finished.is_set(), 1, what="an ending on the spot: nothing waits to start")
-    assert [a for a, _, _ in ends.calls] == [first, alone]
-
-
-def test_endings_wait_until_the_runs_due_with_them_have_started(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A hundred runs due at once: none is recorded as ended before the last one has started.
-
-    Endings mixed in with the starts took the GIL from them: the last of a hundred
-    trivial runs started about twice as late.
-    """
-    monkeypatch.setattr(runner_module, "ENDING_DEFER_S", 5.0)  # a slow CI must not end the wait early
-    events: list[tuple[str, str]] = []
-    runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=200)
-
-    def finish(active: ActiveRun, error: BaseException | None, *, started: bool = True) -> None:
-        events.append(("end", active.run.job))
-        active.done()
-
-    monkeypatch.setattr(table, "finish", finish)
-    slot = int(time.time() * 1000) + 1000  # all claimed ahead, released together
-    for n in range(100):
-        job = build_job("interval", f"j{n}", "1s", lambda ctx: events.append(("start", ctx.name)), {})
-        runner.start(hold(table, job, n + 1, slot))
-    wait_for(lambda: len(events) == 200, 10, what="a hundred runs to start and end")
-    kinds = [kind for kind, _ in events]
-    assert kinds == ["start"] * 100 + ["end"] * 100, f"an end came before start {kinds.index('end')} of 100"
-    assert runner.starting.wait_done(0)
+    """Ends are recorded in batches on the recorder's thread; a worker only hands them over."""
+    parsed = parse({"MAX_WORKERS": 1})
+    submitted: list[Any] = []
+    recorder = Recorder("token", "runner-test", parsed.lease_ttl)
+    monkeypatch.setattr(recorder, "submit", submitted.append)  # never written: nobody waits for it
+    table = RunTable(parsed, "runner-test", recorder, lambda *a, **k: None)
+    runner = Runner(table, Clock(), token="token", instance_id="runner-test", lease_ttl=30.0, max_workers=1,
+                    event_loop=lambda: pytest.fail("sync only"), watch=lambda: None)  # type: ignore[arg-type]  # fmt: skip
+    started: list[str] = []
+    for n in range(3):
+        job = build_job("interval", f"quick{n}", "1s", lambda ctx: started.append(ctx.name), {})
+        runner.start(hold(table, job, n + 1, int(time.time() * 1000) - 5))
+    wait_for(lambda: len(started) == 3, 5, what="three runs on the one worker, one after another")
+    assert [e.run.job for e in submitted] == ["quick0", "quick1", "quick2"], "each end handed over"
+    assert all(table.get(n + 1) is not None for n in range(3)), "held (and renewed) until their ends are recorded"
+    submitted[0].settle(True)
+    assert table.get(1) is None and table.get(2) is not None
 
 
 def test_a_run_whose_lease_may_have_run_out_while_it_waited_for_its_slot_is_never_started(

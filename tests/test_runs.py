@@ -23,9 +23,9 @@ class FakeRecorder(Recorder):
         super().__init__("token", "runs-test", 30.0)
         self.endings: list[Ending] = []
 
-    def record(self, ending: Ending) -> Any:
+    def submit(self, ending: Ending) -> None:
         self.endings.append(ending)
-        return True
+        ending.settle(True)
 
 
 def table_with(recorder: Recorder | None = None, **settings: Any) -> RunTable:
@@ -57,6 +57,7 @@ def test_a_handler_that_returned_before_its_deadline_succeeds_and_one_that_overr
     on_time, late = held(table, 1, timeout="1s"), held(table, 2, timeout="1s")
     now = time.monotonic()
     for active in (on_time, late):
+        active.ran, active.started = True, now - 1.0
         active.deadline = now - 0.01  # the deadline has passed by the time the end is recorded
     on_time.returned_at = now - 0.02
     late.returned_at = now
@@ -92,6 +93,13 @@ def test_a_lost_run_is_aborted_once_and_recorded_by_nobody_here(caplog: pytest.L
 
 
 def test_skipped_and_replaced_runs_are_announced_through_the_outbox() -> None:
+    from django_anarchon import signals
+
+    def listener(**kwargs: Any) -> None:
+        pass
+
+    for signal in (signals.run_interrupted, signals.run_skipped):
+        signal.connect(listener, weak=False)
     table = table_with()
     active = held(table, 5)
     row: Any = SimpleNamespace(id=5, job="job-5", slot=1_000, attempt=1, reason="scheduled", status="interrupted",
@@ -100,7 +108,7 @@ def test_skipped_and_replaced_runs_are_announced_through_the_outbox() -> None:
     table.skipped([SimpleNamespace(id=6, job="job-6", slot=2_000, attempt=1, reason="scheduled", status="skipped",
                                    detail="busy")])  # fmt: skip
     names = [args[0] for args, _ in table.sent]  # type: ignore[attr-defined]
-    from django_anarchon import signals
-
+    for signal in (signals.run_interrupted, signals.run_skipped):
+        signal.disconnect(listener)
     assert names == [signals.run_interrupted, signals.run_skipped]
     assert active.state is Phase.DONE and active.cause == "lost"

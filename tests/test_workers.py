@@ -15,7 +15,7 @@ import pytest
 from django.db import transaction
 
 from django_anarchon.runs import ActiveRun
-from django_anarchon.workers import Starter, Starting, Workers, tidy_connections
+from django_anarchon.workers import Starter, Workers, tidy_connections
 from tests.conftest import start, wait_for
 
 
@@ -111,40 +111,6 @@ def test_workers_reuse_idle_threads_and_start_one_per_run_when_none_is_idle() ->
     workers.submit(active(9), lambda run: seen.append(threading.current_thread().name))
     wait_for(lambda: len(seen) == 1, 5, what="a run on an idle thread")
     assert workers.started == 3, "no new thread while one was idle"
-
-
-def test_a_worker_that_queues_a_follow_up_stays_reserved_for_it_and_takes_it_itself() -> None:
-    """A task that returns True has queued a follow-up: its thread is not idle until that is done."""
-    workers = Workers()
-    ran: list[tuple[str, str]] = []
-
-    def follow_up(run: ActiveRun) -> bool:
-        ran.append(("follow-up", threading.current_thread().name))
-        return False
-
-    def first(run: ActiveRun) -> bool:
-        ran.append(("first", threading.current_thread().name))
-        workers.follow(run, follow_up)
-        return True
-
-    workers.submit(active(1), first)
-    wait_for(lambda: len(ran) == 2, 5, what="the task and its follow-up")
-    assert ran[0][1] == ran[1][1], "the one thread took its own follow-up"
-    wait_for(lambda: workers.idle == 1, 5, what="the thread to be idle once the follow-up is done")
-    threading.Event().wait(0.05)
-    assert workers.idle == 1, "counted idle once, not once per task"
-    assert workers.started == 1, "no second thread was started"
-
-
-def test_starting_counts_runs_until_their_handler_begins() -> None:
-    starting = Starting()
-    assert starting.wait_done(0), "nothing is starting"
-    starting.add()
-    starting.add()
-    starting.begun()
-    assert not starting.wait_done(0.01), "one run has not begun"
-    threading.Timer(0.05, starting.begun).start()
-    assert starting.wait_done(5)
 
 
 # -- connections kept between runs ------------------------------------------------------------

@@ -131,9 +131,19 @@ def anarchon(
     )
     unrecorded = result["expected"] - decided
     if dropped_at is not None:
-        # A paused job's slots are not run and leave no row: those after the pause are accounted for.
-        after = len(range((dropped_at // 1000 + 1) * 1000, end, EVERY_MS))
-        unrecorded -= (jobs - len(kept)) * after
+        # A paused job's slots are not run and leave no row: those not decided before the job's own
+        # pause (stamped by the database) are accounted for by it.
+        paused_at = {
+            name: int(at.timestamp() * 1000)
+            for name, at in JobState.objects.filter(paused=True).values_list("name", "paused_at")
+        }
+        have = set(rows.filter(attempt=1).values_list("job", "slot"))
+        unrecorded -= sum(
+            1
+            for name, at in paused_at.items()
+            for slot in range(first, end, EVERY_MS)
+            if slot >= at - EVERY_MS and (name, slot) not in have
+        )
         late = [s.slot_ms for s in starts if s.job in kept and s.slot_ms >= dropped_at and s.lateness > ON_TIME_S]
         result["recovered_after_s"] = round(max(0, max(late, default=dropped_at) - dropped_at) / 1000, 1)
     result["unaccounted"] = max(0, unrecorded)
