@@ -12,7 +12,7 @@ the database at each scrape, so any process can report them.
 ``anarchon_runs_total{job,status}``                 attempts ended here, by recorded status
 ``anarchon_run_lateness_seconds{job}``              slot → handler start (histogram)
 ``anarchon_run_duration_seconds{job}``              handler start → end (histogram)
-``anarchon_slots_skipped_total{job,reason}``        slots recorded skipped (busy, no_worker, paused, cancelled)
+``anarchon_slots_skipped_total{job,reason}``        slots recorded skipped (busy, no_worker, behind, paused, cancelled)
 ``anarchon_slots_missed_total{job}``                slots nobody ran while the cluster was down
 ``anarchon_takeovers_total{job}``                   expired leases this instance took over
 ``anarchon_hand_overs_total{job}``                  runs this instance handed over at stop
@@ -87,6 +87,8 @@ def skip_reason(detail: str) -> str:
     """The ``reason`` label of a skipped slot, from the detail the store recorded."""
     if "free worker" in detail:
         return "no_worker"
+    if "were behind" in detail:
+        return "behind"
     if "paused" in detail:
         return "paused"
     if "cancelled" in detail:

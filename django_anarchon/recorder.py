@@ -27,6 +27,7 @@ from django.db import connections
 from . import store
 from .clock import sleep
 from .dbtrouble import DbTrouble
+from .latch import Latch
 from .models import Run, Status
 
 logger = logging.getLogger("django_anarchon")
@@ -57,7 +58,7 @@ class Ending:
     traceback: str = ""
     detail: str = ""
     result: Any = None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Latch = field(default_factory=Latch)
     queued_at: float = field(default_factory=time.monotonic)
 
     def texts(self) -> dict[str, str]:

@@ -81,7 +81,6 @@ class Runner:
 
     def start(self, active: ActiveRun) -> None:
         """Execute ``active`` on a worker: at once, or at its slot if it was claimed ahead."""
-        active.finished.clear()
         if active.run.slot > self.clock.now_ms():
             self.starter.add(active)
         else:

@@ -34,6 +34,7 @@ from typing import Any
 from . import metrics, signals, store
 from .conf import AnarchonSettings
 from .exceptions import AttemptsExhausted, Interrupted
+from .latch import Latch
 from .models import Run, Status
 from .recorder import Ending, Recorder
 from .registry import Job
@@ -56,7 +57,7 @@ class Phase(str, enum.Enum):
 # free workers start within this long, judged by recent handler durations (see capacity()), and
 # at most HEADROOM_FACTOR times MAX_WORKERS.
 QUICK_WINDOW_S = 0.1
-HEADROOM_FACTOR = 4
+HEADROOM_FACTOR = 8
 # How loud the end line of a run is, by the status recorded (anything else: INFO).
 END_LEVELS: dict[str, int] = {Status.FAILED: logging.ERROR, Status.INTERRUPTED: logging.WARNING}
 # An attempt's cause of ending, as log lines say it ("Run ended after it was timed out").
@@ -81,8 +82,8 @@ class ActiveRun:
         self.returned = False  # the handler is over (or never started): no longer uses a worker
         self.returned_at: float | None = None  # monotonic time it did
         self.cause: str | None = None
-        self.finished = threading.Event()  # set when its handler is over and its end recorded (or given up)
-        self.ended = threading.Event()  # set when its end is recorded, given up, or decided elsewhere
+        self.finished = Latch()  # set when its handler is over and its end recorded (or given up)
+        self.ended = Latch()  # set when its end is recorded, given up, or decided elsewhere
         self.ran = False  # its handler was called
         self._state = Phase.RUNNING
         self._lock = threading.Lock()

@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from .exceptions import Interrupted
+from .latch import Latch
 
 logger = logging.getLogger("django_anarchon")
 
@@ -22,7 +23,7 @@ class AbortSignal:
     """Tells a handler that its run should stop, and why."""
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._event = Latch()
         self._lock = threading.Lock()
         self._reason: BaseException | None = None
         self._callbacks: list[Callable[[], object]] = []

@@ -37,6 +37,12 @@ CLAIM_AHEAD_MAX_MS = 250
 # The most slots of one job recorded skipped in one turn for want of a free worker; older ones go to
 # catch-up's accounting (a missed count), as after an outage.
 SHED_LIMIT = 100
+# What a skipped row says of a slot nobody ran before the job's next slot came (``Claim.shed``).
+SHED_DETAIL = "no instance had a free worker for it before the job's next slot came (MAX_WORKERS)"
+BEHIND_DETAIL = (
+    "no instance claimed it before the job's next slot was decided: the instances were behind "
+    "(too many runs for their CPU or MAX_WORKERS)"
+)
 
 
 @dataclass(frozen=True)
@@ -48,16 +54,25 @@ class Claim:
     reason: str = SCHEDULED
     # catch_up="all": when the job is busy, wait as a pending run instead of being skipped.
     wait: bool = False
-    # Due with no free worker until the job's next slot came: recorded skipped if still undecided.
-    shed: bool = False
+    # Overtaken by the job's next slot before anyone ran it: recorded skipped, if still
+    # undecided, with this detail (SHED_DETAIL or BEHIND_DETAIL); empty for a slot to run.
+    shed: str = ""
 
 
 @dataclass(frozen=True)
 class CatchUp:
-    """A job whose slots up to ``until`` may have been missed by the whole cluster."""
+    """A job whose slots up to ``until`` may have been missed by the whole cluster.
+
+    ``since``: the oldest of them this instance found undecided when it came to
+    them late (None at start-up). If the job's next slot has been decided
+    meanwhile, those still undecided were overtaken, not missed by the
+    cluster: they are recorded skipped (``BEHIND_DETAIL``), so that none goes
+    unaccounted for.
+    """
 
     job: Job
     until: int
+    since: int | None = None
 
 
 @dataclass
@@ -297,7 +312,7 @@ class SlotQueue:
                     continue
             plan = plan_due(job.schedule, slot, horizon, grace_ms)
             if plan.catch_up_until is not None:
-                batch.catch_ups.append(CatchUp(job, plan.catch_up_until))
+                batch.catch_ups.append(CatchUp(job, plan.catch_up_until, since=slot))
             if (
                 plan.claim is not None
                 and plan.catch_up_until is None
@@ -320,7 +335,7 @@ class SlotQueue:
         for _ in range(SHED_LIMIT):
             if following > now_ms:
                 break
-            batch.claims.append(Claim(job, slot, shed=True))
+            batch.claims.append(Claim(job, slot, shed=SHED_DETAIL))
             slot, following = following, job.schedule.next_after(following)
         if following > now_ms:
             batch.claims.append(Claim(job, slot))
@@ -360,11 +375,13 @@ class SlotQueue:
 
 __all__ = [
     "BACKUP_AHEAD_MS",
+    "BEHIND_DETAIL",
     "BACKUP_WINDOW_MS",
     "Batch",
     "CatchUp",
     "Claim",
     "DuePlan",
+    "SHED_DETAIL",
     "ShareOut",
     "SlotQueue",
     "draw_claim_ahead",

@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 
 from django_anarchon import metrics
+from django_anarchon.slots import BEHIND_DETAIL
 from tests.conftest import ON_DEMAND, Cluster, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -79,6 +80,7 @@ def test_the_web_process_reads_the_cluster_figures_from_the_database() -> None:
 
 def test_skip_reasons_and_missed_counts_are_read_from_the_records() -> None:
     assert metrics.skip_reason("no instance had a free worker for it before the job's next slot came") == "no_worker"
+    assert metrics.skip_reason(BEHIND_DETAIL) == "behind"
     assert metrics.skip_reason("the job is paused") == "paused"
     assert metrics.skip_reason("cancelled by ann in the admin") == "cancelled"
     assert metrics.skip_reason("the previous run (slot …) was still running on a") == "busy"

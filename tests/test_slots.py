@@ -11,6 +11,7 @@ from django_anarchon.schedules import IntervalSchedule, cron_schedule
 from django_anarchon.slots import (
     BACKUP_AHEAD_MS,
     BACKUP_WINDOW_MS,
+    SHED_DETAIL,
     DuePlan,
     ShareOut,
     SlotQueue,
@@ -218,11 +219,11 @@ def test_a_slot_due_with_no_free_worker_runs_late_until_the_next_slot_then_is_sh
     assert queue.settle(batch, Outcome(deferred=batch.claims), SLOT - 80, SLOT), "room wanted"
     # A worker frees up 700 ms late, past the grace: still owed, claimed as scheduled.
     late = queue.take_due(SLOT + 700, 500, always)
-    assert [(c.slot, c.reason, c.shed) for c in late.claims] == [(SLOT, "scheduled", False)]
+    assert [(c.slot, c.reason, c.shed) for c in late.claims] == [(SLOT, "scheduled", "")]
     queue.settle(late, Outcome(deferred=late.claims), SLOT + 700, SLOT + 700)
     # None until after the next slot: the old one is shed (recorded skipped), the new one claimed.
     later = queue.take_due(SLOT + 1100, 500, always)
-    assert [(c.slot, c.shed) for c in later.claims] == [(SLOT, True), (SLOT + 1000, False)]
+    assert [(c.slot, c.shed) for c in later.claims] == [(SLOT, SHED_DETAIL), (SLOT + 1000, "")]
     assert later.catch_ups == [], "an instance that never stopped does not catch itself up"
 
 
@@ -232,9 +233,13 @@ def test_slots_due_while_every_worker_was_busy_are_owed_not_missed() -> None:
     always = lambda name, slot: True  # noqa: E731
     queue.note_no_room(SLOT - 100)  # every worker busy from before the slot to well after it
     batch = queue.take_due(SLOT + 2_600, 500, always)
-    assert [(c.slot, c.shed) for c in batch.claims] == [(SLOT, True), (SLOT + 1000, True), (SLOT + 2000, False)]
+    shed = [(SLOT, SHED_DETAIL), (SLOT + 1000, SHED_DETAIL)]
+    assert [(c.slot, c.shed) for c in batch.claims] == [*shed, (SLOT + 2000, "")]
     assert batch.catch_ups == []
     queue.settle(batch, Outcome(), SLOT + 2_600, SLOT + 2_600)
     # Room again: a slot missed afterwards (the instance was frozen) goes to catch-up as usual.
     after = queue.take_due(SLOT + 10_000, 500, always)
     assert after.catch_ups and after.catch_ups[0].until == SLOT + 9_000
+    # It says which slot it came to late: the store records the undecided ones from there as
+    # overtaken if the job's next slot was decided meanwhile (tests/test_store.py).
+    assert after.catch_ups[0].since == SLOT + 3_000

@@ -19,9 +19,10 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
-from django_anarchon import Scheduler, store
+from django_anarchon import Scheduler, metrics, store
 from django_anarchon.models import JobState, Run
 from django_anarchon.registry import Job
+from django_anarchon.slots import BEHIND_DETAIL
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -512,6 +513,37 @@ def test_a_job_that_never_ran_has_nothing_to_catch_up() -> None:
     job = make_job(every="10s")
     outcome = decide([], [store.CatchUp(job, until=SLOT + 30_000)])
     assert outcome.won == [] and outcome.missed == [] and Run.objects.count() == 0
+
+
+def test_slots_an_instance_came_to_late_are_recorded_overtaken_once_the_next_slot_was_decided() -> None:
+    # The cluster was behind: nobody claimed 20_000 in time, and 30_000 has been run since.
+    job = make_job(every="10s")
+    for slot in (SLOT, SLOT + 10_000, SLOT + 30_000):
+        _ran(job, slot)
+    # At start-up (no ``since``) such a window is the outage rule's: nothing to catch up.
+    assert decide([], [store.CatchUp(job, until=SLOT + 20_000)], owner="starting").skipped == []
+    # A running instance that comes to 10_000..20_000 late records the one nobody decided.
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 20_000, since=SLOT + 10_000)], owner="late")
+    assert outcome.won == [] and outcome.missed == []
+    [skipped] = outcome.skipped
+    assert (skipped.slot, skipped.status, skipped.reason) == (SLOT + 20_000, "skipped", "scheduled")
+    assert skipped.detail == BEHIND_DETAIL and metrics.skip_reason(skipped.detail) == "behind"
+    assert Run.objects.filter(job="job", slot=SLOT + 10_000).get().status == "success", "a decided slot is left alone"
+    assert JobState.objects.get(name="job").missed_count == 0
+    # Looking again finds every slot accounted for.
+    assert decide([], [store.CatchUp(job, until=SLOT + 20_000, since=SLOT + 10_000)], owner="again").skipped == []
+
+
+def test_slots_overtaken_in_a_paused_period_stay_unrecorded() -> None:
+    job = make_job(every="10s")
+    for slot in (SLOT, SLOT + 50_000):
+        _ran(job, slot)
+    JobState.objects.filter(name="job").update(resumed_at=store.slot_datetime(SLOT + 25_000))
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 40_000, since=SLOT + 10_000)], owner="late")
+    assert [r.slot for r in outcome.skipped] == [SLOT + 30_000, SLOT + 40_000]
+    JobState.objects.filter(name="job").update(paused=True)
+    assert decide([], [store.CatchUp(job, until=SLOT + 40_000, since=SLOT + 10_000)]).skipped == []
+    assert Run.objects.filter(slot__in=[SLOT + 10_000, SLOT + 20_000]).count() == 0
 
 
 def test_slots_of_a_paused_period_are_not_caught_up_after_resume() -> None:

@@ -11,7 +11,7 @@ from django.db.models.functions import Greatest
 
 from ..dbtime import DbNow, db_in
 from ..models import JobState, Reason, Run, Status
-from ..slots import CatchUp, Claim
+from ..slots import BEHIND_DETAIL, SHED_LIMIT, CatchUp, Claim
 from . import statements
 from .base import (
     CATCH_UP_LIMIT,
@@ -151,7 +151,7 @@ def _decide(
                         data=data,
                         created_at=now,
                         finished_at=now,
-                        detail=SHED_DETAIL,
+                        detail=claim.shed,
                     )  # fmt: skip
                 )
                 taken.add((job.name, claim.slot))
@@ -227,9 +227,6 @@ def _decide(
     return outcome
 
 
-SHED_DETAIL = "no instance had a free worker for it before the job's next slot came (MAX_WORKERS)"
-
-
 def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
     """What a slot of a busy job becomes under its overlap policy: (status, detail).
 
@@ -287,6 +284,19 @@ def _expand_catch_ups(
             default=None,
         )
         if floor is None or state.paused:
+            continue
+        if catch_up.since is not None and catch_up.until < floor:
+            # This instance came to these slots late, and the job's next slot is decided
+            # already: whichever of them nobody decided was overtaken, and is recorded so.
+            # (A paused period's slots stay unrecorded, as they would have been.)
+            slot = catch_up.since
+            resumed = int(state.resumed_at.timestamp() * 1000) if state.resumed_at is not None else None
+            for _ in range(SHED_LIMIT):
+                if slot > catch_up.until:
+                    break
+                if resumed is None or slot >= resumed:
+                    claims.append(Claim(job, slot, shed=BEHIND_DETAIL))
+                slot = job.schedule.next_after(slot)
             continue
         if state.resumed_at is not None:
             floor = max(floor, int(state.resumed_at.timestamp() * 1000))
