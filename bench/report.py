@@ -624,7 +624,8 @@ def load_targets(db: str, load: dict[str, Any]) -> list[dict[str, Any]]:
             0,
             "slots",
             over["duplicates"] == 0 and over["unaccounted"] == 0,
-            f"{over['duplicates']} duplicates, {over['unaccounted']} unaccounted, {over['takeovers']} takeovers; "
+            f"{over['duplicates']} duplicates, {over['unaccounted']} unaccounted, {over['takeovers']} takeovers, "
+            f"{over.get('paused_undecided', 0)} slots still undecided when their job was paused (not run, no row); "
             f"on time again {over.get('recovered_after_s')} s after the load dropped",
         )
     )

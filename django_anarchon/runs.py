@@ -537,7 +537,7 @@ class RunTable:
         at WARNING, a success at INFO.
         """
         run = active.run
-        duration = time.monotonic() - active.started
+        duration = (active.returned_at or time.monotonic()) - active.started
         fields = {**log_fields(run, self.instance_id), "duration": duration}
         if what is None:
             fields["status"] = run.status

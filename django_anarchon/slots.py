@@ -82,6 +82,9 @@ class Batch:
     claims: list[Claim] = field(default_factory=list)
     catch_ups: list[CatchUp] = field(default_factory=list)
     previous: dict[str, int] = field(default_factory=dict)
+    # Jobs whose slots came due with no free worker (see SlotQueue._owed): the first of them,
+    # from which an undecided batch starts again, so that no slot it would shed is lost.
+    owed: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.claims or self.catch_ups)
@@ -331,6 +334,7 @@ class SlotQueue:
     def _owed(self, job: Job, slot: int, now_ms: int, batch: Batch) -> int:
         """A slot due while this instance had no free worker: claim it late, or shed it; -1 when it was claimed."""
         name = job.name
+        batch.owed[name] = slot
         following = job.schedule.next_after(slot)
         for _ in range(SHED_LIMIT):
             if following > now_ms:
@@ -347,8 +351,17 @@ class SlotQueue:
 
     def failed(self, batch: Batch, retry_at_ms: int) -> None:
         """The batch could not be decided (a database error): look at its slots again at ``retry_at_ms``."""
-        for name, slot in batch.previous.items():
-            self.reschedule(name, slot, retry_at_ms)
+        for name in batch.previous:
+            self._again(batch, name, retry_at_ms)
+
+    def _again(self, batch: Batch, name: str, at_ms: int) -> None:
+        """Look at job ``name`` again at ``at_ms``: its batch was not decided (busy, or a database error)."""
+        if name in batch.owed:
+            # Its oldest owed slot, owed still: shed or claimed late when looked at again.
+            self._deferred[name] = batch.owed[name]
+            self.reschedule(name, batch.owed[name], at_ms)
+        else:
+            self.reschedule(name, batch.previous[name], at_ms)
 
     def settle(self, batch: Batch, outcome: Any, now_ms: int, busy_retry_at_ms: int) -> bool:
         """Put back what the database left undecided; whether some slots wait for a free worker here.
@@ -359,7 +372,7 @@ class SlotQueue:
         worker (``deferred``) stay due and are claimed again when one is free.
         """
         for name in outcome.busy:
-            self.reschedule(name, batch.previous[name], busy_retry_at_ms)
+            self._again(batch, name, busy_retry_at_ms)
         for claim in outcome.early:
             name = claim.job.name
             self.push_exact(claim.slot, name, min(claim.slot, self._next_slot[name]))

@@ -227,6 +227,25 @@ def test_a_slot_due_with_no_free_worker_runs_late_until_the_next_slot_then_is_sh
     assert later.catch_ups == [], "an instance that never stopped does not catch itself up"
 
 
+def test_an_owed_batch_left_undecided_offers_its_shed_slots_again() -> None:
+    # The job's row was locked by another instance (busy), or the database failed: the slot
+    # the batch would have shed is offered again, not lost with the batch.
+    declared = jobs(1)
+    always = lambda name, slot: True  # noqa: E731
+    for undecided in ("busy", "failed"):
+        queue = queue_at(declared, {"job-0": SLOT})
+        batch = queue.take_due(SLOT - 80, 500, always)
+        queue.settle(batch, Outcome(deferred=batch.claims), SLOT - 80, SLOT)
+        owed = queue.take_due(SLOT + 1_100, 500, always)
+        assert [(c.slot, c.shed) for c in owed.claims] == [(SLOT, SHED_DETAIL), (SLOT + 1000, "")]
+        if undecided == "busy":
+            queue.settle(owed, Outcome(busy=["job-0"]), SLOT + 1_100, SLOT + 1_150)
+        else:
+            queue.failed(owed, SLOT + 1_150)
+        again = queue.take_due(SLOT + 1_150, 500, always)
+        assert [(c.slot, c.shed) for c in again.claims] == [(SLOT, SHED_DETAIL), (SLOT + 1000, "")], undecided
+
+
 def test_slots_due_while_every_worker_was_busy_are_owed_not_missed() -> None:
     declared = jobs(1)
     queue = queue_at(declared, {"job-0": SLOT})

@@ -99,7 +99,8 @@ def anarchon(
     reset_database()
     folder = ctx.folder(f"load-{handler}-{jobs}-{instances}")
     width = len(str(jobs - 1))
-    kept = {f"load-{n:0{width}d}" for n in range(0, jobs, 10)}  # still scheduled after the drop
+    names = [f"load-{n:0{width}d}" for n in range(jobs)]
+    kept = set(names[::10])  # still scheduled after the drop
     group = [{"prefix": "load", "count": jobs, "every": f"{EVERY_MS}ms", "kind": handler}]
     with Cluster(ctx.db, folder, group) as cluster:
         cluster.wait_ready(cluster.start(instances))
@@ -111,7 +112,7 @@ def anarchon(
             sleep_until(first / 1000 + pause_after)
             # One statement (as an operator's bulk pause would be): pausing job by job takes
             # seconds on a machine this busy, and the load would drop only slowly.
-            JobState.objects.exclude(name__in=kept).update(
+            JobState.objects.filter(name__in=set(names) - kept).update(
                 paused=True, paused_at=Now(), pause_note="benchmark: the load drops"
             )
             dropped_at = int(time.time() * 1000)
@@ -122,7 +123,6 @@ def anarchon(
     starts = recorder.read(folder)
     result = _summary(starts, jobs, first, end, cpu_after - cpu_before)
     rows = Run.objects.filter(slot__gte=first, slot__lt=end, manual=False)
-    decided = rows.filter(attempt=1).values("job", "slot").distinct().count()
     result.update(
         {
             "instances": instances,
@@ -133,25 +133,44 @@ def anarchon(
             "statuses": dict(rows.filter(attempt=1).values_list("status").annotate(n=Count("id"))),
         }
     )
-    unrecorded = result["expected"] - decided
+    result.update(_accounting(rows, names, first, end))
     if dropped_at is not None:
-        # A paused job's slots are not run and leave no row: those not decided before the job's own
-        # pause (stamped by the database) are accounted for by it.
-        paused_at = {
-            name: int(at.timestamp() * 1000)
-            for name, at in JobState.objects.filter(paused=True).values_list("name", "paused_at")
-        }
-        have = set(rows.filter(attempt=1).values_list("job", "slot"))
-        unrecorded -= sum(
-            1
-            for name, at in paused_at.items()
-            for slot in range(first, end, EVERY_MS)
-            if slot >= at - EVERY_MS and (name, slot) not in have
-        )
         late = [s.slot_ms for s in starts if s.job in kept and s.slot_ms >= dropped_at and s.lateness > ON_TIME_S]
         result["recovered_after_s"] = round(max(0, max(late, default=dropped_at) - dropped_at) / 1000, 1)
-    result["unaccounted"] = max(0, unrecorded)
     return result
+
+
+def _accounting(rows: Any, names: list[str], first: int, end: int) -> dict[str, int]:
+    """Every slot in the window: run, or recorded with a reason (a row, or a ``missed`` record's range)?
+
+    A paused job's slots leave no row (they are not run): those from its pause on, and those still
+    undecided when it was paused (no later slot of the job decided before the pause) are counted
+    apart, ``paused_undecided``. Anything else with no record is ``unaccounted``.
+    """
+    from django_anarchon.models import JobState
+
+    have = set()
+    decided: dict[str, list[int]] = {}
+    for job, slot, status, detail in rows.filter(attempt=1).values_list("job", "slot", "status", "detail"):
+        have.add((job, slot))
+        decided.setdefault(job, []).append(slot)
+        if status == "missed" and (count := detail.split(" ", 1)[0]).isdigit():
+            have.update((job, slot - n * EVERY_MS) for n in range(int(count)))
+    paused_at = {
+        name: int(at.timestamp() * 1000)
+        for name, at in JobState.objects.filter(paused=True, name__in=names).values_list("name", "paused_at")
+    }
+    unaccounted = paused_undecided = 0
+    for name in names:
+        for slot in range(first, end, EVERY_MS):
+            if (name, slot) in have:
+                continue
+            at = paused_at.get(name)
+            if at is not None and (slot >= at or not any(slot < d < at for d in decided.get(name, ()))):
+                paused_undecided += slot < at
+                continue
+            unaccounted += 1
+    return {"unaccounted": unaccounted, "paused_undecided": paused_undecided}
 
 
 def run(ctx: Context) -> dict[str, Any]:
