@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run the django-anarchon benchmark and write bench/results/latest.{json,md,png}.
 
-    python bench/run.py                      # everything, ~15 minutes
+    python bench/run.py                      # everything, ~45 minutes
     python bench/run.py --quick              # short windows, for development
     python bench/run.py --only lateness,claims --databases postgres
 

@@ -33,6 +33,9 @@ ANARCHON: dict[str, Any] = {
     "SHUTDOWN_GRACE": _float("ANARCHON_SHUTDOWN_GRACE", 5.0),
     "MAX_WORKERS": int(os.environ.get("ANARCHON_MAX_WORKERS", 16)),
 }
+if "ANARCHON_MAX_ATTEMPTS" in os.environ:  # "None": no limit
+    _attempts = os.environ["ANARCHON_MAX_ATTEMPTS"]
+    ANARCHON["MAX_ATTEMPTS"] = None if _attempts == "None" else int(_attempts)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -59,7 +59,10 @@ def run(ctx: Context) -> dict[str, Any]:
     reset_database()
     folder = ctx.folder("failover")
     jobs = [{"prefix": "long", "count": 1, "every": "2s", "kind": "sleep", "seconds": 3600}]
-    settings = {"LEASE_TTL": LEASE_TTL, "POLL_INTERVAL": POLL_INTERVAL, "SHUTDOWN_GRACE": 5}
+    # Every repetition continues the same run with its next attempt (the job's handler sleeps an
+    # hour), and ten of them would reach the default MAX_ATTEMPTS: its last attempt is recorded
+    # failed instead of handed on, and the next repetition would wait for nothing.
+    settings = {"LEASE_TTL": LEASE_TTL, "POLL_INTERVAL": POLL_INTERVAL, "SHUTDOWN_GRACE": 5, "MAX_ATTEMPTS": None}
     results: dict[str, Any] = {"lease_ttl_s": LEASE_TTL, "poll_interval_s": POLL_INTERVAL, "repetitions": reps}
     with Cluster(ctx.db, folder, jobs, settings) as cluster:
         cluster.wait_ready(cluster.start(2))
