@@ -765,7 +765,14 @@ def test_a_run_frozen_just_before_its_slot_and_taken_over_never_starts_its_handl
     starts = [e for e in log if e["job"] == "x" and e["slot"] == slot and e["event"] == "start"]
     assert [e["attempt"] for e in starts] == [2], f"handler starts of the frozen slot: {starts}"
     output = frozen.output()
-    assert "not started" in output and f"x slot={slot} attempt=1" in output, output[-3000:]
+    # The freeze lands either after the claim's commit returned (the worker judges the lease at the
+    # last moment: "not started") or while the commit's answer was on its way (MariaDB shows the
+    # row before its client hears of it: the claim is judged too late to run). Either way the
+    # frozen instance says why it did not run the slot.
+    said = [line for line in output.splitlines() if f"x slot={slot}" in line]
+    assert any(
+        ("not started" in line and "attempt=1" in line) or "committed too late to run safely" in line for line in said
+    ), output[-3000:]
     assert f"Run started: x slot={slot} attempt=1" not in output
     assert_no_attempt_ran_twice(log)
     assert second.reason == "takeover"
