@@ -726,6 +726,19 @@ def test_a_backlog_of_pending_runs_never_hides_a_crashed_runner_from_takeover(cl
     report("takeover_behind_backlog", {"pending_backlog": 300, "takeover_after_sigkill_s": round(took, 2)})
 
 
+def _sqlite_write_lock_held() -> bool:
+    """Whether some process holds the test database's write lock for longer than a write takes."""
+    probe = sqlite3.connect(connection.settings_dict["NAME"], timeout=1.0, isolation_level=None)
+    try:
+        probe.execute("BEGIN IMMEDIATE")
+        probe.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:
+        return True
+    finally:
+        probe.close()
+
+
 def test_a_run_frozen_just_before_its_slot_and_taken_over_never_starts_its_handler(
     cluster: Cluster, events: Path
 ) -> None:
@@ -736,9 +749,10 @@ def test_a_run_frozen_just_before_its_slot_and_taken_over_never_starts_its_handl
     cluster.wait_ready(*nodes.values())
     frozen: Instance | None = None
     slot = 0
-    for _ in range(6):
+    for _ in range(8):
         slot = (int(time.time() * 1000) // 3000 + 1) * 3000
         if slot - time.time() * 1000 < 600:
+            time.sleep(max(0.0, slot / 1000 - time.time()) + 0.05)  # too close: try the next slot
             continue
         time.sleep(max(0.0, (slot - 450) / 1000 - time.time()))
         while time.time() * 1000 < slot - 15:
@@ -749,6 +763,14 @@ def test_a_run_frozen_just_before_its_slot_and_taken_over_never_starts_its_handl
                     frozen.signal(signal.SIGSTOP)
                 break
             time.sleep(0.002)
+        if frozen is not None and connection.vendor == "sqlite" and _sqlite_write_lock_held():
+            # Frozen inside a write of its own (a renewal, a heartbeat): a stopped SQLite writer
+            # keeps the file's lock and nothing can take over until it resumes, as
+            # docs/guarantees.md says. Not what this test is about: let it go, try another slot.
+            frozen.signal(signal.SIGCONT)
+            frozen = None
+            time.sleep(1.5)
+            continue
         if frozen is not None:
             break
         time.sleep(1)
