@@ -16,6 +16,7 @@ from .exceptions import (
     Interrupted,
     JobDeclarationError,
     SettingsError,
+    TaskFailed,
     UnknownJobError,
 )
 from .scheduler import Scheduler, arun_now, run_now, scheduler
@@ -34,6 +35,7 @@ __all__ = [
     "JobDeclarationError",
     "Scheduler",
     "SettingsError",
+    "TaskFailed",
     "UnknownJobError",
     "arun_now",
     "run_now",

@@ -6,8 +6,10 @@
 ``anarchon.E003``  ``LEASE_TTL`` shorter than three ``POLL_INTERVAL`` s.
 ``anarchon.E004``  the ``ANARCHON`` settings dict has an unknown key or a bad value.
 ``anarchon.E005``  a ``jobs.py`` declares a bad job.
+``anarchon.E006``  a task job's task backend cannot enqueue its task (unknown, ``DummyBackend``, refuses it).
 ``anarchon.W001``  an in-memory SQLite database (instances cannot share it).
 ``anarchon.W002``  a SQLite database not in WAL mode (instances block each other).
+``anarchon.W003``  a task job's backend stores tasks outside the scheduler's database (at least once).
 =================  ==========================================================
 """
 
@@ -17,7 +19,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, router
 
 from .conf import parse, problems
 from .exceptions import SettingsError
@@ -72,6 +74,77 @@ def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         )
         for module, error in scheduler.registry.errors
     ]
+
+
+@register("anarchon")
+def check_task_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Every task job's task can be enqueued by its backend, and what holds where the enqueue is not atomic."""
+    from . import store, taskjobs
+    from .scheduler import scheduler
+
+    messages: list[CheckMessage] = []
+    for job in scheduler.jobs:
+        if job.task is None:
+            continue
+        task = job.task
+        where = f"Job {job.name!r}: its task {taskjobs.task_name(task)}"
+        alias = getattr(task, "backend", "default")
+        try:
+            backend = taskjobs.backend_of(task)
+        except Exception as error:
+            messages.append(
+                Error(
+                    f"{where} uses the task backend {alias!r}, which cannot be loaded: {error}",
+                    hint="Add the backend to the TASKS setting, or give the task a backend that is there "
+                    "(@task(backend=...)).",
+                    obj=job.origin,
+                    id="anarchon.E006",
+                )
+            )
+            continue
+        kind = type(backend).__name__
+        if taskjobs.is_dummy(backend):
+            messages.append(
+                Error(
+                    f"{where} uses the task backend {alias!r} ({kind}), "
+                    "which keeps tasks in memory and never runs them.",
+                    hint="Use a backend with a worker, such as django-tasks-db's DatabaseBackend, or the "
+                    "ImmediateBackend to run the task in the scheduler's worker.",
+                    obj=job.origin,
+                    id="anarchon.E006",
+                )
+            )
+            continue
+        try:
+            backend.validate_task(task)
+        except Exception as error:
+            messages.append(
+                Error(
+                    f"{where} cannot be enqueued by the task backend {alias!r} ({kind}): {error}",
+                    hint="Change the task's options (priority, run_after, async) or its backend.",
+                    obj=job.origin,
+                    id="anarchon.E006",
+                )
+            )
+            continue
+        model = taskjobs.result_model(backend)
+        if taskjobs.runs_at_once(backend):
+            continue  # the task runs inside the run's transaction
+        if model is None or router.db_for_write(model) != store.alias():
+            place = "a database other than the scheduler's" if model is not None else "outside the database"
+            messages.append(
+                Warning(
+                    f"{where} is enqueued to the task backend {alias!r} ({kind}), which stores tasks in {place}: "
+                    "the enqueue and the run's record cannot commit together, so an instance that dies between "
+                    "them leaves the slot to a takeover that enqueues the task again.",
+                    hint="Make the task idempotent on its slot= argument (the same on every attempt), or use "
+                    "django-tasks-db's DatabaseBackend on the scheduler's database for exactly one enqueue per "
+                    "slot. Silence this with SILENCED_SYSTEM_CHECKS once the task is idempotent.",
+                    obj=job.origin,
+                    id="anarchon.W003",
+                )
+            )
+    return messages
 
 
 _UTC_NAMES = {"+00:00", "-00:00", "00:00", "UTC", "ETC/UTC", "GMT", "ETC/GMT", "Z", "UNIVERSAL", "ZULU"}

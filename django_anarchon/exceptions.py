@@ -82,6 +82,21 @@ class AttemptsExhausted(AnarchonError, RuntimeError):
         super().__init__(message)
 
 
+class TaskFailed(AnarchonError, RuntimeError):
+    """The task of a task job ran at once (the immediate backend) and raised.
+
+    Sent as the ``exception`` of ``run_failed``; the run records the task's own
+    exception class as its error type and the task's traceback.
+    """
+
+    def __init__(self, task: str, exception_class_path: str, traceback: str) -> None:
+        self.task = task
+        self.exception_class_path = exception_class_path
+        self.task_traceback = traceback
+        last = traceback.strip().splitlines()[-1] if traceback.strip() else exception_class_path
+        super().__init__(f"Task {task} raised {last}")
+
+
 class Interrupted(BaseException):
     """The run was asked to stop: the scheduler is stopping, or its lease was lost.
 

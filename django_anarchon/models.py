@@ -105,6 +105,10 @@ class Run(models.Model):
     error_message = models.TextField(_("error message"), blank=True)
     traceback = models.TextField(_("traceback"), blank=True)
     detail = models.TextField(_("detail"), blank=True)
+    # A task job's run: the id of the task result its enqueue returned (committed with the run).
+    # NULL for every other run: the claim statements (store/sql/claim_v*.sql) insert rows without
+    # naming this column, and Django 4.2 has no database default to give them instead.
+    task_result_id = models.CharField(_("task result"), max_length=255, null=True, blank=True)  # noqa: DJ001
 
     objects = RunQuerySet.as_manager()
 

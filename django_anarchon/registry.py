@@ -13,10 +13,11 @@ from .conf import check_json
 from .durations import VALID_FORMS, parse_duration_ms
 from .exceptions import DataNotSerializableError, DuplicateJobError, JobDeclarationError, UnknownJobError
 from .schedules import IntervalSchedule, Schedule, cron_schedule, load_timezone
+from .taskjobs import INSTALL_HINT, TaskArguments, is_task, task_arguments, task_classes, task_name
 
 OVERLAP_CHOICES = ("skip", "allow", "queue", "replace")
 CATCH_UP_CHOICES = ("latest", "all", "none")
-OPTIONS = ("timeout", "overlap", "catch_up", "data", "alert_after", "timezone")
+OPTIONS = ("timeout", "overlap", "catch_up", "data", "alert_after", "timezone", "task")
 MAX_NAME_LENGTH = 200
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -44,10 +45,16 @@ class Job:
     data: Any
     origin: str
     alert_after_ms: int | None = None  # job_overdue after this long without a success
+    task: Any = None  # a task job's django.tasks task: its runs enqueue it (see taskjobs)
+    task_arguments: TaskArguments | None = None  # what a task job passes to its task
 
     @property
     def has_data(self) -> bool:
         return self.data is not UNSET
+
+    @property
+    def is_task_job(self) -> bool:
+        return self.task is not None
 
 
 def _origin(handler: Any) -> str:
@@ -185,10 +192,33 @@ def build_job(
         raise JobDeclarationError(
             name, f"unknown option(s) {', '.join(map(repr, unknown))}; valid options are {', '.join(valid)}"
         )
-    if not callable(handler):
+    task = options.get("task")
+    arguments: TaskArguments | None = None  # a task job's: what its task is passed
+    if task is not None:
+        if handler is not _placeholder and handler is not task:
+            raise JobDeclarationError(name, "give either a handler or task=, not both")
+        handler = task
+    if task is not None or is_task(handler):
+        if not task_classes():
+            raise JobDeclarationError(name, f"task={task_name(handler)}: {INSTALL_HINT}")
+        if not is_task(handler):
+            raise JobDeclarationError(
+                name, f"task= must be a task (a function decorated with django.tasks' @task), got {handler!r}"
+            )
+        if options.get("timeout") is not None:
+            raise JobDeclarationError(
+                name,
+                "timeout does not apply to a task job: its run ends once the task is enqueued; "
+                "limit the task's own run time in the task or its worker",
+            )
+        try:
+            arguments = task_arguments(handler, job_has_data=options.get("data", UNSET) is not UNSET)
+        except ValueError as error:
+            raise JobDeclarationError(name, str(error)) from None
+    elif not callable(handler):
         raise JobDeclarationError(name, f"the handler must be a function or coroutine function, got {handler!r}")
     try:
-        signature = inspect.signature(handler)
+        signature = None if arguments is not None else inspect.signature(handler)
     except (TypeError, ValueError):
         signature = None
     if signature is not None:
@@ -252,17 +282,20 @@ def build_job(
         except DataNotSerializableError as error:
             raise JobDeclarationError(name, str(error)) from None
 
+    task_job = arguments is not None
     return Job(
         name=name,
         schedule=schedule,
         handler=handler,
-        is_async=_is_async(handler),
+        is_async=False if task_job else _is_async(handler),
         timeout_ms=timeout_ms,
         alert_after_ms=alert_after_ms,
         overlap=overlap,
         catch_up=catch_up,
         data=data,
-        origin=_origin(handler),
+        origin=_origin(getattr(handler, "func", handler) if task_job else handler),
+        task=handler if task_job else None,
+        task_arguments=arguments,
     )
 
 
@@ -276,7 +309,8 @@ class Declarations:
 
         ``interval`` is a duration string (``"500ms"``, ``"10s"``, ``"1h30m"``),
         a number of seconds or a ``timedelta``. Without ``handler``, returns a
-        decorator. Options: ``timeout``, ``overlap``, ``catch_up``, ``data``, ``alert_after``.
+        decorator. Options: ``timeout``, ``overlap``, ``catch_up``, ``data``, ``alert_after``;
+        ``task=`` (a ``django.tasks`` task) instead of a handler makes each run enqueue it.
         """
         return self._declare("interval", name, interval, handler, options)
 
@@ -285,13 +319,17 @@ class Declarations:
 
         Five fields, an optional sixth for seconds, or an ``@alias``. Without
         ``handler``, returns a decorator. Options: ``timezone``, ``timeout``,
-        ``overlap``, ``catch_up``, ``data``, ``alert_after``.
+        ``overlap``, ``catch_up``, ``data``, ``alert_after``; ``task=`` (a
+        ``django.tasks`` task) instead of a handler makes each run enqueue it.
         """
         return self._declare("cron", name, expression, handler, options)
 
     def _declare(
         self, kind: str, name: Any, spec: Any, handler: Callable[..., Any] | None, options: dict[str, Any]
     ) -> Any:
+        if handler is None and options.get("task") is not None:
+            self._add(kind, name, spec, options["task"], options)
+            return options["task"]
         if handler is None:
             # Validate everything but the handler now, so that a bad schedule
             # fails at the decorator line even before the function is defined.

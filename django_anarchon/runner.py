@@ -1,4 +1,5 @@
-"""One attempt: wait for its slot, build the context, call the handler, hand the result to the run table."""
+"""One attempt: wait for its slot, build the context, call the handler (or enqueue the task job's task),
+hand the result to the run table."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from typing import Any
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.db import connections
 
-from . import metrics, signals, store
+from . import metrics, signals, store, taskjobs
 from .clock import Clock
 from .conf import check_json
 from .context import Context
 from .models import Reason
 from .runs import ActiveRun, Phase, RunTable, log_fields
+from .taskjobs import TaskArguments
 from .workers import CLOCK_RECHECK_S, Starter, Workers, tidy_connections
 
 logger = logging.getLogger("django_anarchon")
@@ -155,6 +157,12 @@ class Runner:
                 self.instance_id,
                 extra=log_fields(run, self.instance_id),
             )
+        job = active.job
+        if job.task is not None:
+            arguments = job.task_arguments or TaskArguments(data=False)
+            self.table.finish_enqueued(active, lambda: taskjobs.enqueue(job.task, arguments, run.slot, run.data))
+            tidy_connections()
+            return
         error = self._call(active)
         tidy_connections()  # before this thread takes another run: no transaction left open
         self.table.returned(active)

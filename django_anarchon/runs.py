@@ -33,7 +33,7 @@ from typing import Any
 
 from . import metrics, signals, store
 from .conf import AnarchonSettings
-from .exceptions import AttemptsExhausted, Interrupted
+from .exceptions import AttemptsExhausted, Interrupted, TaskFailed
 from .latch import Latch
 from .models import Run, Status
 from .recorder import Ending, Recorder
@@ -127,13 +127,19 @@ def describe_error(error: BaseException) -> tuple[str, str, str]:
     """(type, message, traceback) of ``error``, bounded so a huge one cannot swamp the table."""
     kind = type(error)
     name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    if isinstance(error, TaskFailed) and error.exception_class_path:
+        # The task's own exception, raised where the task ran, named as a handler's would be.
+        name = error.exception_class_path.removeprefix("builtins.")
     try:
         message = str(error)
     except Exception:  # a broken __str__ must not lose the record
         message = f"<unprintable {name}>"
     if len(message) > MAX_MESSAGE:
         message = message[:MAX_MESSAGE] + f"… [{len(message) - MAX_MESSAGE} more characters]"
-    text = "".join(traceback.format_exception(kind, error, error.__traceback__))
+    if isinstance(error, TaskFailed) and error.task_traceback:
+        text = error.task_traceback
+    else:
+        text = "".join(traceback.format_exception(kind, error, error.__traceback__))
     if len(text) > MAX_TRACEBACK:
         text = text[: MAX_TRACEBACK // 2] + "\n… [traceback cut] …\n" + text[-MAX_TRACEBACK // 2 :]
     return name, message, text
@@ -455,35 +461,76 @@ class RunTable:
 
     def _record(self, active: ActiveRun, status: str, error: BaseException | None, *, leave: bool) -> None:
         """Have a final status recorded for a run we are ending; then it is logged and signalled."""
-        run = active.run
         kind, message, text = describe_error(error) if error is not None else ("", "", "")
 
         def recorded(ours: Any) -> None:  # on the recorder's thread
-            try:
-                if ours is None:
-                    return  # logged by the recorder: nothing could be recorded in time
-                if not ours:
-                    self._log_end(
-                        active,
-                        "ended but was no longer ours to record (lease expired or taken over)",
-                        level=logging.WARNING,
-                    )
-                    return
-                run.status, run.error_type, run.error_message, run.traceback = status, kind, message, text
-                run.finished_at = store.slot_datetime(int(time.time() * 1000))
-                metrics.RUNS.labels(run.job, status).inc()
-                if active.ran:
-                    metrics.DURATION.labels(run.job).observe((active.returned_at or time.monotonic()) - active.started)
-                self._log_end(active, error=error)
-                if status == Status.SUCCESS:
-                    self._announce(signals.run_succeeded, run=run)
-                else:
-                    self._announce(signals.run_failed, run=run, exception=error)
-            finally:
-                self._settled(active, leave)
+            self._recorded(active, ours, status, error, (kind, message, text), leave=leave)
 
         ending = self._ending(active, recorded, status=status, error_type=kind, error_message=message, traceback=text)
         self.recorder.submit(ending)
+
+    def _recorded(
+        self,
+        active: ActiveRun,
+        ours: bool | None,
+        status: str,
+        error: BaseException | None,
+        texts: tuple[str, str, str] = ("", "", ""),
+        *,
+        leave: bool,
+    ) -> None:
+        """The end of ``active`` was written (``ours``), was no longer ours, or given up (None): log, signal."""
+        run = active.run
+        try:
+            if ours is None:
+                return  # logged by the recorder: nothing could be recorded in time
+            if not ours:
+                self._log_end(
+                    active,
+                    "ended but was no longer ours to record (lease expired or taken over)"
+                    + ("; its task was not enqueued" if active.job.is_task_job and status == Status.SUCCESS else ""),
+                    level=logging.WARNING,
+                )
+                return
+            run.status = status
+            run.error_type, run.error_message, run.traceback = texts
+            run.finished_at = store.slot_datetime(int(time.time() * 1000))
+            metrics.RUNS.labels(run.job, status).inc()
+            if active.ran:
+                metrics.DURATION.labels(run.job).observe((active.returned_at or time.monotonic()) - active.started)
+            self._log_end(active, error=error)
+            if status == Status.SUCCESS:
+                self._announce(signals.run_succeeded, run=run)
+            else:
+                self._announce(signals.run_failed, run=run, exception=error)
+        finally:
+            self._settled(active, leave)
+
+    def finish_enqueued(self, active: ActiveRun, enqueue: Callable[[], Any]) -> None:
+        """End a task job's run on its worker: enqueue the task and record ``success`` in one transaction.
+
+        Decided first, as every ending is (nobody else may end the run while
+        its task is being enqueued), then written by
+        :func:`store.finish_enqueued`, which rolls the enqueue back if the run
+        is no longer ours; then logged and signalled like any other ending. An
+        enqueue that raised is recorded ``failed`` through the recorder.
+        """
+        if not active.begin_finish():
+            self.returned(active)
+            cause = CAUSE_WORDS.get(active.cause or "", "ended")
+            self._log_end(active, f"not enqueued: it was {cause}", level=logging.WARNING)
+            self.exited(active)
+            return
+        try:
+            enqueued = store.finish_enqueued(active.run.id, owner=self.recorder.token, enqueue=enqueue)  # type: ignore[arg-type]
+        except BaseException as error:  # noqa: B036 - every ending is recorded, none escapes
+            self.returned(active)
+            self._record(active, Status.FAILED, error, leave=True)
+            return
+        self.returned(active)
+        if enqueued is not None:
+            active.run.task_result_id = enqueued.result_id
+        self._recorded(active, enqueued is not None, Status.SUCCESS, None, leave=True)
 
     def _hand_over(self, active: ActiveRun, error: BaseException | None, *, leave: bool) -> None:
         """Have the run marked interrupted and its next attempt left pending for another instance."""

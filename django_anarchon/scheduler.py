@@ -107,6 +107,12 @@ class Scheduler(Declarations):
 
     def _run_data(self, job: Job, data: Any) -> Any:
         if data is not None:
+            if job.task_arguments is not None and not job.task_arguments.data:
+                raise JobDeclarationError(
+                    job.name,
+                    f"its task {job.origin} takes no 'data' argument, so run_now() cannot pass data={data!r}; "
+                    "add a 'data' parameter to the task's function, or call run_now() without data",
+                )
             return check_json(data, f"The data given to run_now({job.name!r})")
         return job.data if job.has_data else get_settings().data
 

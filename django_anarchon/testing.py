@@ -26,11 +26,13 @@ from typing import Any
 
 from asgiref.sync import async_to_sync
 
+from . import taskjobs
 from .conf import check_json, get_settings
 from .context import Context
 from .exceptions import Interrupted
 from .registry import UNSET, Job
 from .signal import AbortSignal
+from .taskjobs import TaskArguments
 
 __all__ = ["Outcome", "make_context", "run_job"]
 
@@ -41,7 +43,7 @@ class Outcome:
 
     status: str
     error: BaseException | None
-    result: Any  # what the handler returned (not stored by the scheduler)
+    result: Any  # what the handler returned (not stored by the scheduler); a task job: what was enqueued
     progress: Any  # the last value it saved with ctx.save_progress(), or the progress it was given
     context: Context
 
@@ -118,7 +120,10 @@ def run_job(
     (its ``sync_to_async`` calls use this thread's connection). The outcome is
     what the run would be recorded as: ``success`` if the handler returned,
     ``interrupted`` if it raised ``Interrupted``, ``failed`` if it raised
-    anything else. Nothing is recorded.
+    anything else. Nothing is recorded. A task job's task is enqueued instead
+    (with ``slot=`` and, where it takes it, ``data=``); the outcome's ``result``
+    says what was enqueued, and a task the immediate backend ran and saw raise
+    is ``failed`` with :class:`TaskFailed`.
     """
     if isinstance(job, str):
         if scheduler is None:
@@ -142,6 +147,14 @@ def run_job(
         signal=signal,
         on_save_progress=saved.append,
     )
+    if job.task is not None:
+        # A task job's run enqueues its task (here: on the test's connection, in its transaction).
+        arguments = job.task_arguments or TaskArguments(data=False)
+        try:
+            enqueued = taskjobs.enqueue(job.task, arguments, ctx.slot, data)
+        except BaseException as error:  # noqa: B036 - as the scheduler does: every ending is an outcome
+            return Outcome("failed", error, None, progress, ctx)
+        return Outcome("success", None, enqueued, progress, ctx)
     handler = job.handler
     try:
         if job.is_async:

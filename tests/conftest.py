@@ -41,6 +41,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from django.conf import settings
 
     django.setup()
+    # A tox environment tests the Django it is named after (a dependency once upgraded it silently).
+    wanted = {"dj42": (4, 2), "dj52": (5, 2), "dj61": (6, 1)}
+    for factor, version in wanted.items():
+        if factor in os.environ.get("TOX_ENV_NAME", "").split("-") and django.VERSION[:2] != version:
+            pytest.exit(f"{os.environ['TOX_ENV_NAME']} runs Django {django.__version__}, not {version}", returncode=3)
     db = settings.DATABASES["default"]
     vendor = "postgresql" if "postgresql" in db["ENGINE"] else "mysql" if "mysql" in db["ENGINE"] else "sqlite"
     if vendor == "sqlite":

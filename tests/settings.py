@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from importlib.util import find_spec
 from pathlib import Path
 
 import environ
@@ -48,6 +49,25 @@ INSTALLED_APPS = [
     "django_anarchon",
     "tests.testapp.apps.TestAppConfig",
 ]
+
+# Task jobs: Django 6's django.tasks, or the django-tasks backport on 4.2/5.2; the database
+# backend from django-tasks-db (5.2+) or from django-tasks 0.11 itself (4.2). tox installs them.
+_tasks = "django.tasks" if find_spec("django.tasks") else "django_tasks"
+if find_spec("django_tasks_db"):
+    TASKS_DATABASE_BACKEND = "django_tasks_db.DatabaseBackend"
+    INSTALLED_APPS += ["django_tasks_db"]
+else:
+    TASKS_DATABASE_BACKEND = "django_tasks.backends.database.DatabaseBackend"
+    INSTALLED_APPS += ["django_tasks.backends.database"]
+if _tasks == "django_tasks":
+    INSTALLED_APPS += ["django_tasks"]
+TASKS = {
+    "default": {"BACKEND": TASKS_DATABASE_BACKEND},
+    "immediate": {"BACKEND": f"{_tasks}.backends.immediate.ImmediateBackend"},
+    "dummy": {"BACKEND": f"{_tasks}.backends.dummy.DummyBackend"},
+    # The database backend, pausing between writing a task's row and returning (a SIGKILL test).
+    "slow": {"BACKEND": "tests.testapp.backends.SlowDatabaseBackend"},
+}
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

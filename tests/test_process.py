@@ -8,13 +8,15 @@ PostgreSQL or MariaDB). Settings for the children: LEASE_TTL 2 s, POLL_INTERVAL
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 
 import pytest
 
 from django_anarchon.models import Run
-from tests.conftest import Cluster, report, wait_for
+from tests.conftest import MANAGE, ROOT, Cluster, Instance, report, wait_for
 from tests.testapp.models import Execution
 
 pytestmark = [pytest.mark.process, pytest.mark.django_db(transaction=True)]
@@ -213,3 +215,116 @@ def test_whole_cluster_down_over_slots_catches_up_the_latest_once(cluster: Clust
     gap = (caught.slot - down_from) // 4000 - 1  # slots between the last run and the catch-up
     assert missed[0].detail.startswith(f"{gap} slot(s) missed"), missed[0].detail
     assert Execution.objects.filter(job="every4", slot=caught.slot, reason="catch-up").count() == 1
+
+
+# -- task jobs: three instances and a database worker ----------------------------------------------
+
+
+def _task_worker(cluster: Cluster, backend: str = "default") -> Instance:
+    """A `manage.py db_worker` child (django-tasks-db, or django-tasks 0.11's) on the test database."""
+    log = cluster.tmp_path / f"worker-{backend}.log"
+    handle = log.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, str(MANAGE), "db_worker", "--backend", backend, "--interval", "0.1", "--no-startup-delay"],
+        cwd=ROOT,
+        env=cluster.env({"ANARCHON_TEST_INSTANCE": f"worker-{backend}"}),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    worker = Instance(f"worker-{backend}", process, log)
+    cluster.instances.append(worker)  # killed at the end of the test with the instances
+    return worker
+
+
+def _task_rows_by_slot(backend: str) -> Counter[int]:
+    from django_anarchon import taskjobs
+    from tests.testapp import tasks
+
+    model = taskjobs.result_model(taskjobs.backend_of(tasks.record_slot))
+    return Counter(row.args_kwargs["kwargs"]["slot"] for row in model.objects.filter(backend_name=backend))
+
+
+def test_three_instances_enqueue_each_slots_task_once_and_the_worker_runs_it_once(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "report", "every": "1s", "kind": "task", "task": "record_slot"}]
+    nodes = [cluster.start(f"tasks-{i}") for i in range(3)]
+    worker = _task_worker(cluster)
+    cluster.wait_ready(*nodes)
+    begin = time.time()
+    time.sleep(6.5)
+    end = time.time()
+    for node in nodes:
+        node.signal(signal.SIGTERM)
+    assert [node.wait(30) for node in nodes] == [0, 0, 0], cluster.logs()
+
+    expected = set(range(int(begin) + 1, int(end)))
+    rows = [r for r in runs("report") if r.slot // 1000 in expected]
+    assert {r.slot // 1000 for r in rows} == expected, cluster.logs()
+    assert all(r.status == "success" and r.attempt == 1 and r.task_result_id for r in rows), rows
+    enqueued = _task_rows_by_slot("default")
+    assert all(enqueued[r.slot] == 1 for r in rows), f"tasks per slot: {enqueued}"
+    assert sum(enqueued.values()) == Run.objects.filter(job="report", status="success").count()
+    slots = {r.slot for r in rows}
+    executed = wait_for(
+        lambda: (
+            (c := Counter(e.slot for e in Execution.objects.filter(job="task:record_slot"))) and slots <= set(c) and c
+        ),
+        20,
+        what="the worker to run every slot's task",
+    )
+    assert all(executed[slot] == 1 for slot in slots), f"task executions per slot: {executed}"
+    assert worker.alive(), worker.output()
+
+
+def test_sigkill_while_enqueuing_leaves_no_task_and_the_takeover_enqueues_it_once(cluster: Cluster) -> None:
+    """The winner writes the task's row, then is killed before its transaction commits: the row
+    goes with the transaction, the takeover enqueues the slot's task, the worker runs it once."""
+    cluster.jobs = [{"name": "slow-report", "every": "3s", "kind": "task", "task": "record_slot_slowly"}]
+    delay = {"ANARCHON_TEST_ENQUEUE_DELAY": "1.0"}
+    nodes = [cluster.start(f"enq-{i}", extra_env=delay) for i in range(3)]
+    cluster.wait_ready(*nodes)
+
+    def enqueuing() -> tuple[Instance, int] | None:
+        """An instance inside an enqueue now: it said so, and has not logged the run's end yet."""
+        for node in nodes:
+            text = node.output()
+            for line in text.splitlines():
+                if line.startswith("ENQUEUED-NOT-COMMITTED slot="):
+                    slot = int(line.split("slot=")[1].split()[0])
+                    if f"Run success: slow-report slot={slot}" not in text:
+                        return node, slot
+        return None
+
+    victim, slot = wait_for(enqueuing, 15, interval=0.02, what="an instance to be inside an enqueue")
+    victim.signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    victim.wait(10)
+    survivors = [node for node in nodes if node is not victim]
+    taken = wait_for(
+        lambda: Run.objects.filter(job="slow-report", slot=slot, status="success").first(),
+        TTL + 10,
+        what=f"the takeover of slot {slot} to record success",
+    )
+    took = time.monotonic() - killed_at
+    worker = _task_worker(cluster, backend="slow")
+    for node in survivors:
+        node.signal(signal.SIGTERM)
+    assert [node.wait(30) for node in survivors] == [0, 0], cluster.logs()
+
+    attempts = runs("slow-report")
+    this_slot = [r for r in attempts if r.slot == slot]
+    assert [r.status for r in this_slot] == ["interrupted", "success"], this_slot
+    assert taken.attempt == 2 and taken.reason == "takeover" and taken.task_result_id
+    enqueued = _task_rows_by_slot("slow")
+    assert enqueued[slot] == 1, f"tasks for the killed slot: {enqueued[slot]} (the killed one must not stay)"
+    assert all(count == 1 for count in enqueued.values()), f"tasks per slot: {enqueued}"
+    successes = [r for r in attempts if r.status == "success"]
+    assert sum(enqueued.values()) == len(successes)
+    executed = wait_for(
+        lambda: (c := Counter(e.slot for e in Execution.objects.filter(job="task:record_slot"))) and slot in c and c,
+        20,
+        what="the worker to run the killed slot's task",
+    )
+    assert executed[slot] == 1 and all(n == 1 for n in executed.values()), executed
+    assert took < TTL + 10
+    assert worker.alive(), worker.output()

@@ -114,6 +114,7 @@ class RunAdmin(ReadOnlyAdmin):
                     "duration_display",
                     "lease_expires",
                     "detail",
+                    "task_result_display",
                 ]
             },
         ),
@@ -177,6 +178,36 @@ class RunAdmin(ReadOnlyAdmin):
     def traceback_display(self, run: Run) -> str:
         """The traceback, escaped, in a <pre> block."""
         return format_html("<pre>{}</pre>", run.traceback) if run.traceback else self.get_empty_value_display()
+
+    @admin.display(description=_("task result"))
+    def task_result_display(self, run: Run) -> str:
+        """A task job's run: the task result it enqueued, linked to its admin page where the backend has one."""
+        if not run.task_result_id:
+            return self.get_empty_value_display()
+        url = self._task_result_url(run)
+        if url is None:
+            return format_html("<code>{}</code>", run.task_result_id)
+        return format_html('<a href="{}"><code>{}</code></a>', url, run.task_result_id)
+
+    def _task_result_url(self, run: Run) -> str | None:
+        """The admin page of the run's task result (django-tasks-db keeps results in a model), or None."""
+        from .. import taskjobs
+        from ..scheduler import scheduler
+
+        try:
+            task = scheduler.job(run.job).task
+            model = taskjobs.result_model(taskjobs.backend_of(task)) if task is not None else None
+        except Exception:
+            return None  # the job or its backend is gone: the id is still shown
+        if model is None or model not in self.admin_site._registry:
+            return None
+        meta = model._meta
+        try:
+            return reverse(
+                f"{self.admin_site.name}:{meta.app_label}_{meta.model_name}_change", args=[run.task_result_id]
+            )
+        except Exception:
+            return None
 
     @admin.display(description=_("data"))
     def data_display(self, run: Run) -> str:

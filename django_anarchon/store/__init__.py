@@ -56,7 +56,7 @@ from .housekeeping import (
     register_instance,
     unregister_instance,
 )
-from .leases import finish, finish_many, hand_over, renew, save_progress, take_over
+from .leases import finish, finish_enqueued, finish_many, hand_over, renew, save_progress, take_over
 from .pending import cancel_pending, claim_manual, claim_pending, create_manual, poll
 from .statements import lock_jobs
 
@@ -81,6 +81,7 @@ __all__ = [
     "decide",
     "ensure_jobs",
     "finish",
+    "finish_enqueued",
     "finish_many",
     "hand_over",
     "heartbeat",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from django.db import transaction
 
@@ -16,7 +16,10 @@ from .base import (
     alias,
     notify,
     retry_deadlocks,
+    storable_text,
 )
+
+E = TypeVar("E")
 
 
 def _held(owner: str) -> Any:
@@ -192,3 +195,28 @@ def finish_many(run_ids: Sequence[int], *, owner: str) -> set[int]:
 def save_progress(run_id: int, value: Any, *, owner: str, ttl: float) -> bool:
     """Store ``value`` as the run's progress and renew its lease; False if the run is not ours."""
     return bool(_held(owner).filter(id=run_id).update(progress=value, lease_expires_at=db_in(ttl)))
+
+
+def finish_enqueued(run_id: int, *, owner: str, enqueue: Callable[[], E]) -> E | None:
+    """Enqueue a task job's task and record the run ``success`` in one transaction; None if not ours.
+
+    ``enqueue`` runs first, inside the transaction, and returns what was
+    enqueued (its ``result_id`` is stored with the run); the run's end is
+    written after it, with the same conditions as :func:`finish` (our token,
+    ``running``, a lease live by the database clock). If the run is no longer
+    ours the transaction is rolled back, and with it the task's row wherever
+    the task backend writes to this database on this thread: a run that a
+    takeover decided never enqueues its task, and a run recorded ``success``
+    always did. The end's UPDATE locks the run's row, so against a concurrent
+    takeover exactly one commits. What ``enqueue`` raises propagates, with the
+    transaction rolled back.
+    """
+    db = alias()
+    with transaction.atomic(using=db):
+        enqueued = enqueue()
+        result_id = storable_text(str(getattr(enqueued, "result_id", "")))[:255]
+        done = statements.end_held([run_id], owner=owner, status=Status.SUCCESS, texts={"task_result_id": result_id})
+        if not done:
+            transaction.set_rollback(True, using=db)
+            return None
+    return enqueued

@@ -2,6 +2,7 @@
 
 ANARCHON_TEST_JOBS is a JSON list of {"name", "every" | "cron", "kind", "seconds", options...}.
 A "fail" job raises ValueError(spec["message"]) when one is given.
+Kind "task" declares a task job whose "task" names a task in tests/testapp/tasks.py.
 Kinds: record, gc (records how many objects start-up froze), sleep (honours the signal), stubborn
 (ignores it), fail, checkpoint, async_sleep, async_stubborn (blocks in sync_to_async, ignoring the
 signal).
@@ -146,6 +147,16 @@ def make_handler(kind: str, seconds: float, steps: int, message: str = "") -> An
 for spec in json.loads(os.environ.get("ANARCHON_TEST_JOBS", "[]")):
     spec = dict(spec)
     name = spec.pop("name")
+    if spec.get("kind") == "task":  # a task job: {"kind": "task", "task": "<name in tasks.py>"}
+        from . import tasks
+
+        spec.pop("kind")
+        spec["task"] = getattr(tasks, spec["task"])
+        if "every" in spec:
+            scheduler.every(name, spec.pop("every"), **spec)
+        else:
+            scheduler.cron(name, spec.pop("cron"), **spec)
+        continue
     handler = make_handler(
         spec.pop("kind", "record"), spec.pop("seconds", 0.0), spec.pop("steps", 0), spec.pop("message", "")
     )
