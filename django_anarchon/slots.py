@@ -388,8 +388,8 @@ class SlotQueue:
 
 __all__ = [
     "BACKUP_AHEAD_MS",
-    "BEHIND_DETAIL",
     "BACKUP_WINDOW_MS",
+    "BEHIND_DETAIL",
     "Batch",
     "CatchUp",
     "Claim",

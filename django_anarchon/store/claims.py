@@ -285,12 +285,12 @@ def _expand_catch_ups(
         )
         if floor is None or state.paused:
             continue
+        resumed = int(state.resumed_at.timestamp() * 1000) if state.resumed_at is not None else None
         if catch_up.since is not None and catch_up.until < floor:
             # This instance came to these slots late, and the job's next slot is decided
             # already: whichever of them nobody decided was overtaken, and is recorded so.
             # (A paused period's slots stay unrecorded, as they would have been.)
             slot = catch_up.since
-            resumed = int(state.resumed_at.timestamp() * 1000) if state.resumed_at is not None else None
             for _ in range(SHED_LIMIT):
                 if slot > catch_up.until:
                     break
@@ -298,8 +298,8 @@ def _expand_catch_ups(
                     claims.append(Claim(job, slot, shed=BEHIND_DETAIL))
                 slot = job.schedule.next_after(slot)
             continue
-        if state.resumed_at is not None:
-            floor = max(floor, int(state.resumed_at.timestamp() * 1000))
+        if resumed is not None:
+            floor = max(floor, resumed)
         came_back = decided_by_catch_up.get(job.name)
         if (
             came_back is not None
