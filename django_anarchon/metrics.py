@@ -57,10 +57,33 @@ class _Noop:
         pass
 
 
+class _Children:
+    """A labelled metric whose children are looked up once per label values.
+
+    prometheus-client's ``labels()`` checks the names and takes the metric's lock
+    on every call; a run ends with three of them. The children live as long as
+    the metric does (nothing here removes one), so keeping them is safe.
+    """
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._metric, name)
+
+
 def _metric(kind: str, name: str, documentation: str, labels: tuple[str, ...] = (), **kwargs: Any) -> Any:
     if prometheus_client is None:
         return _Noop()
-    return getattr(prometheus_client, kind)(name, documentation, labels, **kwargs)
+    metric = getattr(prometheus_client, kind)(name, documentation, labels, **kwargs)
+    return _Children(metric) if labels else metric
 
 
 RUNS = _metric("Counter", "anarchon_runs", "Run attempts ended on this instance, by status.", ("job", "status"))
