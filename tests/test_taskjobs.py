@@ -371,3 +371,22 @@ def test_the_command_refuses_to_start_a_task_job_on_the_dummy_backend(cluster: C
     done = cluster.manage("anarchon", timeout=60)
     assert done.returncode != 0
     assert "anarchon.E006" in done.stderr and "'nowhere'" in done.stderr, done.stderr
+
+
+@override_settings(ROOT_URLCONF="tests.urls")
+def test_run_now_with_data_in_the_admin_says_why_a_task_that_takes_none_cannot_have_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sched = Scheduler()
+    sched.every("slot-only", ON_DEMAND, task=tasks.slot_only)
+    monkeypatch.setattr(sys.modules["django_anarchon.scheduler"], "scheduler", sched)
+    JobState.objects.create(name="slot-only")
+    User.objects.create_superuser("admin", "admin@example.com", "pw")
+    client = Client()
+    client.login(username="admin", password="pw")
+    page = client.post("/admin/django_anarchon/jobstate/slot-only/run-now/", {"run_data": '{"a": 1}'})
+    assert page.status_code == 200
+    assert "takes no &#x27;data&#x27; argument" in page.content.decode()
+    assert not Run.objects.exists()
+    done = client.post("/admin/django_anarchon/jobstate/slot-only/run-now/", {"run_data": ""})
+    assert done.status_code == 302 and Run.objects.filter(job="slot-only", manual=True).count() == 1

@@ -157,7 +157,14 @@ class JobPageButtons:
         if form.is_bound and not form.is_valid():
             return form_page(admin, request, "run_now_confirmation.html", gettext("Run now"), [state], form)
         data = form.cleaned_data["run_data"] if form.is_bound else None
-        if request_run(admin, request, state, data) is None:
+        try:
+            requested = request_run(admin, request, state, data)
+        except AnarchonError as error:  # data the job cannot take (a task job's task without a data argument)
+            if not form.is_bound:
+                raise
+            form.add_error("run_data", str(error))
+            return form_page(admin, request, "run_now_confirmation.html", gettext("Run now"), [state], form)
+        if requested is None:
             admin.message_user(
                 request, gettext("%(name)s is not declared in code.") % {"name": state.name}, messages.ERROR
             )
