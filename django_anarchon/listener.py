@@ -7,6 +7,7 @@ every ``POLL_INTERVAL``.
 from __future__ import annotations
 
 import logging
+import select
 import threading
 from collections.abc import Callable
 
@@ -57,7 +58,11 @@ class Listener:
                 self.trouble.end_turn()
                 self.notified()  # whatever was notified while we were not listening
                 while not self.stopping.is_set():
-                    for _ in raw.notifies(timeout=0.5, stop_after=1):
+                    # Wait on the socket here, then let psycopg read what came: its own
+                    # notifies(timeout=...) wakes ten times a second to look for Ctrl-C,
+                    # which was most of what an idle instance cost.
+                    readable, _, _ = select.select([raw.fileno()], [], [], 0.5)
+                    if readable and list(raw.notifies(timeout=0)):
                         self.notified()
             except Exception as error:
                 self.trouble.failed(error)

@@ -564,7 +564,7 @@ class RunTable:
 
     def _announce(self, signal: Any, **kwargs: Any) -> None:
         """Send a signal through the outbox, unless nobody listens (a run's end costs nothing then)."""
-        if signal.has_listeners(Run):
+        if signal.receivers and signal.has_listeners(Run):
             self.outbox(signal, **kwargs)
 
     def _log_end(
@@ -584,15 +584,17 @@ class RunTable:
         at WARNING, a success at INFO.
         """
         run = active.run
+        if level is None:
+            status = run.status if what is None else ""
+            level = END_LEVELS.get(status, logging.INFO)
+        if not logger.isEnabledFor(level):
+            return  # most ends are INFO lines: a project logging from WARNING builds none of it
         duration = (active.returned_at or time.monotonic()) - active.started
         fields = {**log_fields(run, self.instance_id), "duration": duration}
         if what is None:
             fields["status"] = run.status
             if run.error_type:
                 after = f"{after} error={run.error_type}: {run.error_message}"
-        if level is None:
-            status = run.status if what is None else ""
-            level = END_LEVELS.get(status, logging.INFO)
         logger.log(
             level,
             "Run %s: %s slot=%s attempt=%d reason=%s instance=%s duration=%.3fs%s",

@@ -40,6 +40,8 @@ job_overdue = Signal()
 
 def send(signal: Signal, **kwargs: Any) -> None:
     """Send ``signal`` robustly: a failing receiver is logged, the rest still run."""
+    if not signal.receivers:
+        return  # nobody connected: a run's start costs nothing more
     from .models import Run
 
     for receiver, result in signal.send_robust(sender=Run, **kwargs):

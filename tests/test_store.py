@@ -157,6 +157,8 @@ def test_a_won_claim_equals_the_row_on_record() -> None:
     for field in Run._meta.concrete_fields:
         assert getattr(run, field.attname) == getattr(stored, field.attname), field.name
     assert run.created_at <= run.started_at and run.started_at >= run.scheduled_at
+    assert run.created_at.tzinfo is not None and run.lease_expires_at.utcoffset() == timedelta(0)
+    assert not run._state.adding and run._state.db == store.alias()  # saved: run.save() updates, never inserts
 
 
 def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsewhere() -> None:

@@ -40,9 +40,8 @@ def poll(expiring_within: float = 0.0) -> Poll:
     runs come as one name per job: :func:`claim_pending` re-reads them under
     the job locks anyway. One statement; a read only, nothing is decided here.
     """
-    expiring = db_in(expiring_within) if expiring_within > 0 else DbNow()
     result = Poll()
-    for row in statements.poll_rows(expiring):
+    for row in statements.poll_rows(expiring_within):
         if row.status == Status.RUNNING:
             result.expiring.append(row)
         else:

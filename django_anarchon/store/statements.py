@@ -15,9 +15,11 @@ are the same statements the querysets produced, minus the read-back that
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import ProgrammingError, connections
@@ -27,14 +29,15 @@ from django.db.models import Model
 from django.db.models.constants import OnConflict
 from django.db.models.sql import Query
 
-from ..dbtime import DbNow
+from ..dbtime import DbNow, db_in
 from ..models import JobState, Reason, Run, Status
 from ..slots import Claim
-from .base import Outcome, _resolved_data, _vendor, alias, first_attempt, logger
+from .base import UTC, Outcome, _resolved_data, _vendor, alias, logger, slot_datetime
 from .schema import CLAIM_FUNCTION
 
 _ACTIVE = (Status.RUNNING, Status.PENDING)
 _NOW_SQL: dict[str, str] = {}  # vendor -> the database clock's SQL
+_POLL_SQL: dict[tuple[str, str, float], tuple[str, list[Any]]] = {}  # (alias, vendor, horizon) -> SQL, params
 # With skip_locked, how long the one-statement claim waits for a job row another
 # transaction holds (most often another instance's claim of the same slot, which takes
 # about a millisecond) before answering "busy"; a busy job costs a retry ~20 ms later.
@@ -181,27 +184,33 @@ def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
     return list(Run.objects.using(db).raw(sql, [*names, *_ACTIVE, *decided]))
 
 
-def poll_rows(expiring: Any) -> list[Run]:
-    """Running runs whose lease ends before ``expiring`` (an expression), and one row per job with pending runs.
+def poll_rows(expiring_within: float) -> list[Run]:
+    """Running runs whose lease ends within ``expiring_within`` s (database clock); one row per job with pending runs.
 
     One statement, the two halves joined by ``UNION ALL``: the running ones with
     the columns a takeover needs, the pending ones grouped by job (the lowest
     id and slot stand for them), so that a backlog of pending rows is one row
-    per job. The other columns are deferred.
+    per job. The other columns are deferred. The SQL is built once per
+    connection and horizon: an idle instance sends this every poll.
     """
     db = alias()
     connection = connections[db]
-    lease_sql, lease_params = compile_expression(connection, expiring)
-    names = {f: _name(connection, Run, f) for f in ("id", "job", "slot", "attempt", "status", "instance_id")}
-    lease = _name(connection, Run, "lease_expires_at")
-    sql = (
-        "SELECT {id}, {job}, {slot}, {attempt}, {status}, {instance_id}, {lease} FROM {run} "
-        "WHERE {status} = %s AND {lease} < {until} "
-        "UNION ALL "
-        "SELECT MIN({id}), {job}, MIN({slot}), MIN({attempt}), {status}, '', NULL FROM {run} "
-        "WHERE {status} = %s GROUP BY {job}, {status}"
-    ).format(run=_name(connection, Run), lease=lease, until=lease_sql, **names)
-    return list(Run.objects.using(db).raw(sql, [Status.RUNNING, *lease_params, Status.PENDING]))
+    key = (db, connection.vendor, expiring_within)
+    if key not in _POLL_SQL:
+        expiring = db_in(expiring_within) if expiring_within > 0 else DbNow()
+        lease_sql, lease_params = compile_expression(connection, expiring)
+        names = {f: _name(connection, Run, f) for f in ("id", "job", "slot", "attempt", "status", "instance_id")}
+        lease = _name(connection, Run, "lease_expires_at")
+        sql = (
+            "SELECT {id}, {job}, {slot}, {attempt}, {status}, {instance_id}, {lease} FROM {run} "
+            "WHERE {status} = %s AND {lease} < {until} "
+            "UNION ALL "
+            "SELECT MIN({id}), {job}, MIN({slot}), MIN({attempt}), {status}, '', NULL FROM {run} "
+            "WHERE {status} = %s GROUP BY {job}, {status}"
+        ).format(run=_name(connection, Run), lease=lease, until=lease_sql, **names)
+        _POLL_SQL[key] = (sql, [Status.RUNNING, *lease_params, Status.PENDING])
+    sql, params = _POLL_SQL[key]
+    return list(Run.objects.using(db).raw(sql, params))
 
 
 def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
@@ -264,9 +273,16 @@ def end_held(ids: Iterable[int], *, owner: str, status: str, texts: dict[str, st
     now = now_sql(connection)
     columns = [("status", status), *(texts or {}).items()]
     sets = ", ".join(f"{_name(connection, Run, field)} = %s" for field, _ in columns)
+    if connection.vendor == "postgresql":
+        # One array parameter, written here: the statement's text is the same for any
+        # number of runs (psycopg converts it once), and a hundred ids are one value
+        # to adapt instead of a hundred.
+        id_sql, id_params = "= ANY(%s::bigint[])", ["{" + ",".join(str(int(i)) for i in ids) + "}"]
+    else:
+        id_sql, id_params = f"IN ({_marks(len(ids))})", ids
     sql = (
         "UPDATE {run} SET {sets}, {finished} = {now}, {lease} = NULL "
-        "WHERE {id} IN ({ids}) AND {owner} = %s AND {status} = %s AND {lease} > {now}"
+        "WHERE {id} {ids} AND {owner} = %s AND {status} = %s AND {lease} > {now}"
     ).format(
         run=_name(connection, Run),
         sets=sets,
@@ -276,10 +292,10 @@ def end_held(ids: Iterable[int], *, owner: str, status: str, texts: dict[str, st
         owner=_name(connection, Run, "owner"),
         status=_name(connection, Run, "status"),
         now=now,
-        ids=_marks(len(ids)),
+        ids=id_sql,
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [*(value for _, value in columns), *ids, owner, Status.RUNNING])
+        cursor.execute(sql, [*(value for _, value in columns), *id_params, owner, Status.RUNNING])
         return int(cursor.rowcount)
 
 
@@ -288,6 +304,25 @@ class NoClaimFunction(Exception):
 
 
 _MISSING_FUNCTION: set[str] = set()  # aliases found without the function (warned once)
+_CLAIM_INSTANTS = ("created_at", "started_at", "lease_expires_at")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@functools.cache
+def _run_defaults() -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """The attribute names of a run's columns, in order, and their defaults (none is mutable)."""
+    fields = Run._meta.concrete_fields
+    return tuple(f.attname for f in fields), tuple(f.get_default() for f in fields)
+
+
+def _won_row(db: str, values: dict[str, Any]) -> Run:
+    """A first attempt this claim has just inserted, as ``Run.from_db`` builds rows read from ``db``.
+
+    Positional values (what ``from_db`` passes) take ``Model.__init__`` less than half
+    the time keyword arguments do; a claim builds one per run won.
+    """
+    names, defaults = _run_defaults()
+    return Run.from_db(db, names, [values.get(name, default) for name, default in zip(names, defaults, strict=True)])
 
 
 def can_claim_in_one_statement(claims: Sequence[Claim]) -> bool:
@@ -347,11 +382,15 @@ def claim_scheduled(
     ]
     outcome = Outcome()
     undecided: list[Claim] = []
+    seen: dict[int | None, datetime | None] = {}  # one datetime per instant: a batch's rows share the claim's clock
     try:
         cursor = _kept_cursor(db)
+        # The instants as microseconds since the epoch: turning them into datetimes
+        # here (see _won_row) costs a fraction of psycopg's parsing of timestamptz text.
         cursor.execute(
-            f"SELECT * FROM {CLAIM_FUNCTION}(%s::text[], %s::bigint[], %s::boolean[], %s::text[], "
-            "%s, %s, %s, %s, %s, %s)",
+            "SELECT kind, job, slot, run_id, "
+            + ", ".join(f"(EXTRACT(EPOCH FROM {c}) * 1000000)::bigint" for c in _CLAIM_INSTANTS)
+            + f" FROM {CLAIM_FUNCTION}(%s::text[], %s::bigint[], %s::boolean[], %s::text[], %s, %s, %s, %s, %s, %s)",
             params,
         )
         rows = cursor.fetchall()
@@ -377,20 +416,23 @@ def claim_scheduled(
         elif kind == "deferred":
             outcome.deferred.append(claim)
         elif kind == "won":
-            run = first_attempt(
-                claim,
-                Status.RUNNING,
+            instants = (created_at, started_at, lease_expires_at)
+            for us in instants:
+                if us not in seen:
+                    seen[us] = None if us is None else _EPOCH + timedelta(microseconds=us)
+            row = dict(
+                zip(_CLAIM_INSTANTS, (seen[us] for us in instants), strict=True),
+                id=run_id,
+                job=job,
+                slot=slot,
+                status=Status.RUNNING,
+                reason=claim.reason,
+                scheduled_at=slot_datetime(slot),
                 instance_id=instance_id,
                 owner=owner,
                 data=data[job],
-                id=run_id,
-                lease_expires_at=lease_expires_at,
-                created_at=created_at,
-                started_at=started_at,
             )
-            run._state.adding = False
-            run._state.db = db
-            outcome.won.append(run)
+            outcome.won.append(_won_row(db, row))
     outcome.busy.sort()
     return outcome, undecided
 
