@@ -121,11 +121,13 @@ class Recorder:
                 if first is None:
                     break
                 batch = [first]
-                until = time.monotonic() + COLLECT_S
+                if self._queue.qsize() < BATCH - 1:
+                    # Sleep through the window rather than wake for every ending queued in it:
+                    # each wake-up took the GIL from the workers starting that instant's runs.
+                    time.sleep(COLLECT_S)
                 while len(batch) < BATCH:
-                    left = until - time.monotonic()
                     try:
-                        item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+                        item = self._queue.get_nowait()
                     except queue.Empty:
                         break
                     if item is None:

@@ -21,7 +21,7 @@ from .context import Context
 from .models import Reason
 from .runs import ActiveRun, Phase, RunTable, log_fields
 from .taskjobs import TaskArguments
-from .workers import CLOCK_RECHECK_S, Starter, Workers, tidy_connections
+from .workers import CLOCK_RECHECK_S, Starter, Workers, check_idle_connections, tidy_connections
 
 logger = logging.getLogger("django_anarchon")
 
@@ -158,6 +158,7 @@ class Runner:
                 extra=log_fields(run, self.instance_id),
             )
         job = active.job
+        check_idle_connections()
         if job.task is not None:
             arguments = job.task_arguments or TaskArguments(data=False)
             self.table.finish_enqueued(active, lambda: taskjobs.enqueue(job.task, arguments, run.slot, run.data))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from django.db import connections
+from django.db.backends.signals import connection_created
 
 if TYPE_CHECKING:
     from .runs import ActiveRun
@@ -30,6 +31,25 @@ logger = logging.getLogger("django_anarchon")
 # step. A wait longer than this reads the clock again, so a run claimed ahead never
 # waits out a whole step back.
 CLOCK_RECHECK_S = 0.25
+# With CONN_HEALTH_CHECKS, a worker's kept connections are checked before a run once the
+# worker has been idle this long. A thread that ran a run a moment ago has just used them;
+# checking them again is a round trip per run (a quarter of a millisecond of CPU each, on
+# PostgreSQL, more than the rest of what a run costs the scheduler).
+HEALTH_CHECK_IDLE_S = 1.0
+
+
+# Per thread: the connection wrappers it has used, and whether it opened one since they were listed.
+# Listing them (connections.all(initialized_only=True)) goes through asgiref's Local for every
+# database and cost more than the rest of a trivial run's tidying; they change only when the
+# thread connects somewhere, which Django announces (connection_created) on that same thread.
+_opened = threading.local()
+
+
+def _connection_opened(sender: object, connection: object, **kwargs: object) -> None:
+    _opened.new = True
+
+
+connection_created.connect(_connection_opened, dispatch_uid="django_anarchon.workers.connection_opened")
 
 
 def tidy_connections() -> None:
@@ -42,10 +62,13 @@ def tidy_connections() -> None:
     default, meant for a connection per request): a scheduler has at most
     ``MAX_WORKERS`` worker threads, each keeping one connection per database
     for as long as it lives (threads idle for a minute leave, and close theirs).
-    With ``CONN_HEALTH_CHECKS`` the next run's first query checks the
-    connection first, as Django does at the start of a request.
+    With ``CONN_HEALTH_CHECKS``, see :func:`check_idle_connections`.
     """
-    for connection in connections.all(initialized_only=True):
+    if getattr(_opened, "new", True):  # this thread's first run, or it opened a connection since the last
+        _opened.new = False
+        _opened.wrappers = connections.all(initialized_only=True)
+    _opened.idle_since = time.monotonic()
+    for connection in _opened.wrappers:
         if connection.connection is None:
             continue
         try:
@@ -61,12 +84,27 @@ def tidy_connections() -> None:
             if max_age and connection.close_at is not None and time.monotonic() >= connection.close_at:
                 connection.close()
                 continue
-            connection.health_check_done = False  # type: ignore[attr-defined]
         except Exception:  # a connection that cannot even say its state is not worth keeping
             try:
                 connection.close()
             except Exception:
                 connection.connection = None
+
+
+def check_idle_connections() -> None:
+    """Before a run, on its worker thread: after ``HEALTH_CHECK_IDLE_S`` without a run, check its connections.
+
+    Where ``CONN_HEALTH_CHECKS`` is on, the run's first query on each kept
+    connection pings it first (and reconnects if it died), as Django does at
+    the start of a request; a worker that ran something less than
+    ``HEALTH_CHECK_IDLE_S`` ago uses its connections as they are.
+    """
+    idle_since = getattr(_opened, "idle_since", None)
+    if idle_since is None or time.monotonic() - idle_since < HEALTH_CHECK_IDLE_S:
+        return
+    for connection in _opened.wrappers:
+        if connection.connection is not None:
+            connection.health_check_done = False  # type: ignore[attr-defined]
 
 
 class Workers:
@@ -199,4 +237,4 @@ class Starter:
                     logger.exception("Internal error while starting %r", active.run.job, extra={"job": active.run.job})
 
 
-__all__ = ["CLOCK_RECHECK_S", "Starter", "Workers", "tidy_connections"]
+__all__ = ["CLOCK_RECHECK_S", "HEALTH_CHECK_IDLE_S", "Starter", "Workers", "check_idle_connections", "tidy_connections"]

@@ -15,7 +15,8 @@ import pytest
 from django.db import transaction
 
 from django_anarchon.runs import ActiveRun
-from django_anarchon.workers import Starter, Workers, tidy_connections
+from django_anarchon import workers as workers_module
+from django_anarchon.workers import Starter, Workers, check_idle_connections, tidy_connections
 from tests.conftest import start, wait_for
 
 
@@ -142,6 +143,95 @@ def test_a_sound_connection_is_kept_for_the_next_run_and_a_spoiled_one_is_closed
         assert connection.connection is None, "older than a positive CONN_MAX_AGE: closed"
     finally:
         connection.settings_dict["CONN_MAX_AGE"] = 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_a_thread_opens_after_its_first_tidying_is_tidied_too() -> None:
+    """The wrappers a thread uses are listed once, and again whenever it connects somewhere."""
+    from django.db import connection, connections
+
+    seen: dict[str, Any] = {}
+
+    def worker_thread() -> None:
+        try:
+            tidy_connections()  # a first run that touched no database
+            connection.ensure_connection()  # the next run's handler connects ...
+            transaction.set_autocommit(False)  # ... and leaves a transaction open
+            seen["raw"] = connection.connection
+            tidy_connections()
+            seen["after"] = connection.connection
+            connection.ensure_connection()
+            seen["again"] = connection.connection
+            tidy_connections()  # a sound connection (reopened): kept
+            seen["kept"] = connection.connection is seen["again"]
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=worker_thread)
+    thread.start()
+    thread.join(10)
+    assert seen["raw"] is not None and seen["after"] is None, "closed: it would carry an open transaction on"
+    assert seen["kept"]
+
+
+def _kill_server_side(raw_pid: int) -> None:
+    """End a connection from the server's side, as a restart or an idle timeout would."""
+    from django.db import connections
+
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            if other.vendor == "postgresql":
+                cursor.execute("SELECT pg_terminate_backend(%s)", [raw_pid])
+            else:
+                cursor.execute(f"KILL {int(raw_pid)}")
+    finally:
+        other.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_health_checks_a_worker_idle_a_while_checks_its_connection_and_a_busy_one_does_not() -> None:
+    """CONN_HEALTH_CHECKS: checked before a run after HEALTH_CHECK_IDLE_S idle, so a dropped connection is replaced."""
+    from django.db import connection, connections
+
+    seen: dict[str, Any] = {}
+
+    def worker_thread() -> None:
+        try:
+            connection.ensure_connection()
+            tidy_connections()  # the end of a run
+            check_idle_connections()  # the next run, at once
+            seen["busy_checks"] = connection.health_check_done is False
+            if connection.vendor != "sqlite":
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT pg_backend_pid()" if connection.vendor == "postgresql" else "SELECT CONNECTION_ID()"
+                    )
+                    pid = cursor.fetchone()[0]
+                tidy_connections()
+                _kill_server_side(pid)
+                time.sleep(0.2)
+            workers_module._opened.idle_since -= workers_module.HEALTH_CHECK_IDLE_S  # as if idle that long
+            check_idle_connections()
+            seen["idle_checks"] = connection.health_check_done is False
+            with connection.cursor() as cursor:  # the run's first query: pinged first, reconnected if dead
+                cursor.execute("SELECT 1")
+                seen["answer"] = cursor.fetchone()[0]
+        except Exception as error:
+            seen["error"] = error
+        finally:
+            connections.close_all()
+
+    connection.settings_dict["CONN_HEALTH_CHECKS"] = True
+    try:
+        thread = threading.Thread(target=worker_thread)
+        thread.start()
+        thread.join(20)
+    finally:
+        connection.settings_dict["CONN_HEALTH_CHECKS"] = False
+    assert "error" not in seen, seen.get("error")
+    assert seen["busy_checks"] is False, "used a moment ago: no round trip to check it"
+    assert seen["idle_checks"] is True and seen["answer"] == 1, "idle: checked, and a dropped connection replaced"
 
 
 @pytest.mark.django_db(transaction=True)

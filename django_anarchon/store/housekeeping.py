@@ -15,6 +15,7 @@ from django.db.models import DateTimeField, ExpressionWrapper, Max, Q
 from ..dbtime import DbNow
 from ..models import Instance, JobState, Status
 from ..registry import Job
+from . import statements
 from .base import (
     UTC,
     _newest_scheduled_slots,
@@ -111,8 +112,7 @@ def unregister_instance(token: str) -> None:
 
 def live_instances(within: float) -> list[str]:
     """The tokens of the instances heard from in the last ``within`` seconds (database clock)."""
-    fresh = ExpressionWrapper(DbNow() - timedelta(seconds=within), output_field=DateTimeField())
-    return list(Instance.objects.using(alias()).filter(last_heartbeat__gte=fresh).values_list("token", flat=True))
+    return statements.live_tokens(within)
 
 
 def database_time() -> datetime:

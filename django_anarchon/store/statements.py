@@ -18,26 +18,26 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import ProgrammingError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
-from django.db.models import Model
+from django.db.models import DateTimeField, ExpressionWrapper, Model
 from django.db.models.constants import OnConflict
 from django.db.models.sql import Query
 
 from ..dbtime import DbNow, db_in
-from ..models import JobState, Reason, Run, Status
+from ..models import Instance, JobState, Reason, Run, Status
 from ..slots import Claim
 from .base import UTC, Outcome, _resolved_data, _vendor, alias, logger, slot_datetime
 from .schema import CLAIM_FUNCTION
 
 _ACTIVE = (Status.RUNNING, Status.PENDING)
 _NOW_SQL: dict[str, str] = {}  # vendor -> the database clock's SQL
-_POLL_SQL: dict[tuple[str, str, float], tuple[str, list[Any]]] = {}  # (alias, vendor, horizon) -> SQL, params
+_BUILT: dict[tuple[Any, ...], tuple[str, list[Any]]] = {}  # see _built()
 # With skip_locked, how long the one-statement claim waits for a job row another
 # transaction holds (most often another instance's claim of the same slot, which takes
 # about a millisecond) before answering "busy"; a busy job costs a retry ~20 ms later.
@@ -190,13 +190,15 @@ def poll_rows(expiring_within: float) -> list[Run]:
     One statement, the two halves joined by ``UNION ALL``: the running ones with
     the columns a takeover needs, the pending ones grouped by job (the lowest
     id and slot stand for them), so that a backlog of pending rows is one row
-    per job. The other columns are deferred. The SQL is built once per
-    connection and horizon: an idle instance sends this every poll.
+    per job. The other columns are deferred. An idle instance sends this every
+    poll, and nearly always finds nothing: the SQL is built once per connection
+    and horizon, and sent on a plain cursor; only rows found are read again as
+    runs (through ``raw()``, which converts each backend's datetimes).
     """
     db = alias()
     connection = connections[db]
-    key = (db, connection.vendor, expiring_within)
-    if key not in _POLL_SQL:
+
+    def build() -> tuple[str, list[Any]]:
         expiring = db_in(expiring_within) if expiring_within > 0 else DbNow()
         lease_sql, lease_params = compile_expression(connection, expiring)
         names = {f: _name(connection, Run, f) for f in ("id", "job", "slot", "attempt", "status", "instance_id")}
@@ -208,9 +210,43 @@ def poll_rows(expiring_within: float) -> list[Run]:
             "SELECT MIN({id}), {job}, MIN({slot}), MIN({attempt}), {status}, '', NULL FROM {run} "
             "WHERE {status} = %s GROUP BY {job}, {status}"
         ).format(run=_name(connection, Run), lease=lease, until=lease_sql, **names)
-        _POLL_SQL[key] = (sql, [Status.RUNNING, *lease_params, Status.PENDING])
-    sql, params = _POLL_SQL[key]
+        return sql, [Status.RUNNING, *lease_params, Status.PENDING]
+
+    sql, params = _built(("poll", db, connection.vendor, expiring_within), build)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        if cursor.fetchone() is None:
+            return []
     return list(Run.objects.using(db).raw(sql, params))
+
+
+def live_tokens(within: float) -> list[str]:
+    """The tokens of the instances heard from in the last ``within`` seconds (database clock)."""
+    db = alias()
+    connection = connections[db]
+
+    def build() -> tuple[str, list[Any]]:
+        fresh = ExpressionWrapper(DbNow() - timedelta(seconds=within), output_field=DateTimeField())
+        fresh_sql, fresh_params = compile_expression(connection, fresh)
+        sql = "SELECT {token} FROM {instance} WHERE {heartbeat} >= {fresh}".format(
+            token=_name(connection, Instance, "token"),
+            instance=_name(connection, Instance),
+            heartbeat=_name(connection, Instance, "last_heartbeat"),
+            fresh=fresh_sql,
+        )
+        return sql, fresh_params
+
+    sql, params = _built(("live", db, connection.vendor, within), build)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return [token for (token,) in cursor.fetchall()]
+
+
+def _built(key: tuple[Any, ...], build: Callable[[], tuple[str, list[Any]]]) -> tuple[str, list[Any]]:
+    """A statement the loop sends again and again, built once (Django's SQL compiler costs more than the query)."""
+    if key not in _BUILT:
+        _BUILT[key] = build()
+    return _BUILT[key]
 
 
 def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
@@ -273,6 +309,7 @@ def end_held(ids: Iterable[int], *, owner: str, status: str, texts: dict[str, st
     now = now_sql(connection)
     columns = [("status", status), *(texts or {}).items()]
     sets = ", ".join(f"{_name(connection, Run, field)} = %s" for field, _ in columns)
+    id_params: list[Any]
     if connection.vendor == "postgresql":
         # One array parameter, written here: the statement's text is the same for any
         # number of runs (psycopg converts it once), and a hundred ids are one value
