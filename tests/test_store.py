@@ -159,6 +159,7 @@ def test_a_won_claim_equals_the_row_on_record() -> None:
     assert run.created_at <= run.started_at and run.started_at >= run.scheduled_at
     assert run.created_at.tzinfo is not None and run.lease_expires_at.utcoffset() == timedelta(0)
     assert not run._state.adding and run._state.db == store.alias()  # saved: run.save() updates, never inserts
+    assert run.data is not job.data, "a run's data is its own: a handler changing it changes no other run"
 
 
 def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsewhere() -> None:

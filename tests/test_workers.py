@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from django.db import transaction
 
-from django_anarchon.runs import ActiveRun
 from django_anarchon import workers as workers_module
+from django_anarchon.runs import ActiveRun
 from django_anarchon.workers import Starter, Workers, check_idle_connections, tidy_connections
 from tests.conftest import start, wait_for
 

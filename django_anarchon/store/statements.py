@@ -15,12 +15,11 @@ are the same statements the querysets produced, minus the read-back that
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import ProgrammingError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -32,12 +31,14 @@ from django.db.models.sql import Query
 from ..dbtime import DbNow, db_in
 from ..models import Instance, JobState, Reason, Run, Status
 from ..slots import Claim
-from .base import UTC, Outcome, _resolved_data, _vendor, alias, logger, slot_datetime
+from .base import UTC, Outcome, _resolved_data, _run_defaults, _vendor, alias, logger, slot_datetime
 from .schema import CLAIM_FUNCTION
 
 _ACTIVE = (Status.RUNNING, Status.PENDING)
 _NOW_SQL: dict[str, str] = {}  # vendor -> the database clock's SQL
 _BUILT: dict[tuple[Any, ...], tuple[str, list[Any]]] = {}  # see _built()
+_READERS: dict[tuple[Any, ...], tuple[list[str], list[tuple[int, Any]]]] = {}  # see _read()
+M = TypeVar("M", bound=Model)
 # With skip_locked, how long the one-statement claim waits for a job row another
 # transaction holds (most often another instance's claim of the same slot, which takes
 # about a millisecond) before answering "busy"; a busy job costs a retry ~20 ms later.
@@ -88,6 +89,33 @@ def _name(connection: Any, model: type[Model], field: str | None = None) -> str:
 
 def _columns(connection: Any, model: type[Model]) -> str:
     return ", ".join(connection.ops.quote_name(f.column) for f in model._meta.concrete_fields)
+
+
+def _read(model: type[M], sql: str, params: Sequence[Any]) -> list[M]:
+    """The instances of ``model`` that ``sql`` selects (``SELECT {_columns(...)}``: every column, in order).
+
+    What ``Model.objects.raw()`` does for such a query (each backend's value
+    converters, then ``Model.from_db``), without what it does to map columns
+    of any query to fields: that took longer than building the instances.
+    """
+    db = alias()
+    connection = connections[db]
+    key = (model, db, connection.vendor)
+    if key not in _READERS:
+        fields = model._meta.concrete_fields
+        each = [(i, _converters(connection, model, f)) for i, f in enumerate(fields)]
+        _READERS[key] = ([f.attname for f in fields], [(i, c) for i, c in each if c[1]])
+    names, converting = _READERS[key]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    found = []
+    for row in rows:
+        values = list(row)
+        for index, converters in converting:
+            values[index] = _converted(values[index], converters, connection)
+        found.append(model.from_db(db, names, values))
+    return found
 
 
 def compile_expression(connection: Any, expression: Any) -> tuple[str, list[Any]]:
@@ -152,7 +180,7 @@ def lock_states(names: Sequence[str], *, skip_locked: bool) -> dict[str, JobStat
             cursor.execute(f"UPDATE {table} SET {seq} = {seq} + 1 WHERE {where}", list(names))
     else:
         select += " " + connection.ops.for_update_sql(skip_locked=skip_locked)
-    return {state.name: state for state in JobState.objects.using(db).raw(select, list(names))}
+    return {state.name: state for state in _read(JobState, select, list(names))}
 
 
 def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
@@ -181,7 +209,7 @@ def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
         slot=slot,
         id=_name(connection, Run, "id"),
     )
-    return list(Run.objects.using(db).raw(sql, [*names, *_ACTIVE, *decided]))
+    return _read(Run, sql, [*names, *_ACTIVE, *decided])
 
 
 def poll_rows(expiring_within: float) -> list[Run]:
@@ -256,7 +284,10 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
     PostgreSQL, SQLite ≥ 3.35, MariaDB ≥ 10.5), or None where the database
     cannot say (MySQL, older SQLite): the caller reads them back then.
     Field values that are expressions (the database clock) are compiled once
-    per distinct expression object.
+    per distinct expression object, and plain values prepared once per
+    distinct value: a batch of a hundred runs repeats most of them. Only what
+    identifies a row and what the database's clock set comes back; the rest
+    of each returned run is what was sent.
     """
     if not rows:
         return []
@@ -264,6 +295,8 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
     connection = connections[db]
     fields = [f for f in Run._meta.concrete_fields if not f.primary_key]
     compiled: dict[int, tuple[str, list[Any]]] = {}
+    prepared: dict[tuple[str, Any], Any] = {}
+    computed: set[str] = set()  # the fields some row sets to an expression
     groups: list[str] = []
     params: list[Any] = []
     for row in rows:
@@ -271,14 +304,20 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
         for field in fields:
             value = getattr(row, field.attname)
             if hasattr(value, "resolve_expression"):
+                computed.add(field.attname)
                 key = id(value)
                 if key not in compiled:
                     compiled[key] = compile_expression(connection, value)
                 sql, extra = compiled[key]
                 marks.append(sql)
                 params.extend(extra)
-            else:
-                marks.append("%s")
+                continue
+            marks.append("%s")
+            try:
+                params.append(prepared[(field.attname, value)])
+            except KeyError:
+                params.append(prepared.setdefault((field.attname, value), field.get_db_prep_save(value, connection)))
+            except TypeError:  # an unhashable value (JSON data): prepared each time
                 params.append(field.get_db_prep_save(value, connection))
         groups.append(f"({', '.join(marks)})")
     statement = "{insert} {run} ({cols}) VALUES {values} {suffix}".format(
@@ -292,8 +331,47 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
         with connection.cursor() as cursor:
             cursor.execute(statement, params)
         return None
-    statement += f" RETURNING {_columns(connection, Run)}"
-    return list(Run.objects.using(db).raw(statement, params))
+    if not computed <= set(_RETURNED):
+        return _read(Run, f"{statement} RETURNING {_columns(connection, Run)}", params)
+    returned = [Run._meta.get_field(name) for name in _RETURNED]
+    statement += " RETURNING " + ", ".join(_name(connection, Run, name) for name in _RETURNED)
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        found = cursor.fetchall()
+    converters = [_converters(connection, Run, field) for field in returned]
+    sent = {(r.job, r.slot, r.attempt, r.manual): r for r in rows}
+    texts: dict[int, str] = {}  # the JSON of each distinct data object sent
+    stored = []
+    for values in found:
+        got = {name: _converted(v, c, connection) for name, v, c in zip(_RETURNED, values, converters, strict=True)}
+        row = sent[(got["job"], got["slot"], got["attempt"], got["manual"])]
+        for name, value in got.items():
+            setattr(row, name, value)
+        if row.data is not None:
+            # Its own copy, as read from the database: rows of one job were sent the job's own object.
+            text = texts.get(id(row.data)) or texts.setdefault(id(row.data), json.dumps(row.data))
+            row.data = json.loads(text)
+        row._state.adding = False
+        row._state.db = db
+        stored.append(row)
+    return stored
+
+
+# What a claim's INSERT returns: what identifies a row, and the columns the database's clock sets.
+_RETURNED = ("id", "job", "slot", "attempt", "manual", "created_at", "started_at", "finished_at", "lease_expires_at")
+
+
+def _converters(connection: Any, model: type[Model], field: Any) -> tuple[Any, list[Any]]:
+    """The column of ``field`` and what turns its raw values into Python ones (as a query's compiler does)."""
+    column = field.get_col(model._meta.db_table)
+    return column, [*connection.ops.get_db_converters(column), *column.get_db_converters(connection)]
+
+
+def _converted(value: Any, converters: tuple[Any, list[Any]], connection: Any) -> Any:
+    column, functions = converters
+    for function in functions:
+        value = function(value, column, connection)
+    return value
 
 
 def end_held(ids: Iterable[int], *, owner: str, status: str, texts: dict[str, str] | None = None) -> int:
@@ -343,13 +421,6 @@ class NoClaimFunction(Exception):
 _MISSING_FUNCTION: set[str] = set()  # aliases found without the function (warned once)
 _CLAIM_INSTANTS = ("created_at", "started_at", "lease_expires_at")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-@functools.cache
-def _run_defaults() -> tuple[tuple[str, ...], tuple[Any, ...]]:
-    """The attribute names of a run's columns, in order, and their defaults (none is mutable)."""
-    fields = Run._meta.concrete_fields
-    return tuple(f.attname for f in fields), tuple(f.get_default() for f in fields)
 
 
 def _won_row(db: str, values: dict[str, Any]) -> Run:
@@ -403,13 +474,14 @@ def claim_scheduled(
     ordered = sorted(claims, key=lambda c: (c.slot, c.job.name))
     by_key = {(c.job.name, c.slot): c for c in ordered}
     data = {c.job.name: _resolved_data(c.job, default_data) for c in ordered}
+    texts = {name: None if value is None else json.dumps(value) for name, value in data.items()}
     params: list[Any] = [
         # Array literals written here: adapting Python lists took psycopg longer than the
         # rest of the call's client side.
         _text_array(c.job.name for c in ordered),
         "{" + ",".join(str(int(c.slot)) for c in ordered) + "}",
         "{" + ",".join("t" if c.job.overlap == "allow" else "f" for c in ordered) + "}",
-        _text_array(None if data[c.job.name] is None else json.dumps(data[c.job.name]) for c in ordered),
+        _text_array(texts[c.job.name] for c in ordered),
         owner,
         instance_id,
         float(ttl),
@@ -467,7 +539,7 @@ def claim_scheduled(
                 scheduled_at=slot_datetime(slot),
                 instance_id=instance_id,
                 owner=owner,
-                data=data[job],
+                data=None if texts[job] is None else json.loads(texts[job]),  # each run its own copy
             )
             outcome.won.append(_won_row(db, row))
     outcome.busy.sort()
