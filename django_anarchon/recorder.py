@@ -124,7 +124,8 @@ class Recorder:
                 if self._queue.qsize() < BATCH - 1:
                     # Sleep through the window rather than wake for every ending queued in it:
                     # each wake-up took the GIL from the workers starting that instant's runs.
-                    time.sleep(COLLECT_S)
+                    # (clock.sleep: time.sleep fails under libfaketime, and this thread must live.)
+                    sleep(COLLECT_S)
                 while len(batch) < BATCH:
                     try:
                         item = self._queue.get_nowait()
