@@ -539,7 +539,7 @@ def claim_scheduled(
                 scheduled_at=slot_datetime(slot),
                 instance_id=instance_id,
                 owner=owner,
-                data=None if texts[job] is None else json.loads(texts[job]),  # each run its own copy
+                data=None if (text := texts[job]) is None else json.loads(text),  # each run its own copy
             )
             outcome.won.append(_won_row(db, row))
     outcome.busy.sort()
