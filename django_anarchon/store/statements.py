@@ -31,7 +31,7 @@ from django.db.models.sql import Query
 from ..dbtime import DbNow, db_in
 from ..models import Instance, JobState, Reason, Run, Status
 from ..slots import Claim
-from .base import UTC, Outcome, _resolved_data, _run_defaults, _vendor, alias, logger, slot_datetime
+from .base import UTC, Outcome, _resolved_data, _vendor, alias, first_attempt, logger
 from .schema import CLAIM_FUNCTION
 
 _ACTIVE = (Status.RUNNING, Status.PENDING)
@@ -423,16 +423,6 @@ _CLAIM_INSTANTS = ("created_at", "started_at", "lease_expires_at")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def _won_row(db: str, values: dict[str, Any]) -> Run:
-    """A first attempt this claim has just inserted, as ``Run.from_db`` builds rows read from ``db``.
-
-    Positional values (what ``from_db`` passes) take ``Model.__init__`` less than half
-    the time keyword arguments do; a claim builds one per run won.
-    """
-    names, defaults = _run_defaults()
-    return Run.from_db(db, names, [values.get(name, default) for name, default in zip(names, defaults, strict=True)])
-
-
 def can_claim_in_one_statement(claims: Sequence[Claim]) -> bool:
     """Whether ``django_anarchon_claim()`` (migration 0003, PostgreSQL) can decide ``claims``.
 
@@ -495,7 +485,7 @@ def claim_scheduled(
     try:
         cursor = _kept_cursor(db)
         # The instants as microseconds since the epoch: turning them into datetimes
-        # here (see _won_row) costs a fraction of psycopg's parsing of timestamptz text.
+        # here costs a fraction of psycopg's parsing of timestamptz text.
         cursor.execute(
             "SELECT kind, job, slot, run_id, "
             + ", ".join(f"(EXTRACT(EPOCH FROM {c}) * 1000000)::bigint" for c in _CLAIM_INSTANTS)
@@ -529,19 +519,18 @@ def claim_scheduled(
             for us in instants:
                 if us not in seen:
                     seen[us] = None if us is None else _EPOCH + timedelta(microseconds=us)
-            row = dict(
-                zip(_CLAIM_INSTANTS, (seen[us] for us in instants), strict=True),
-                id=run_id,
-                job=job,
-                slot=slot,
-                status=Status.RUNNING,
-                reason=claim.reason,
-                scheduled_at=slot_datetime(slot),
+            run = first_attempt(
+                claim,
+                Status.RUNNING,
                 instance_id=instance_id,
                 owner=owner,
                 data=None if (text := texts[job]) is None else json.loads(text),  # each run its own copy
+                id=run_id,
+                **dict(zip(_CLAIM_INSTANTS, (seen[us] for us in instants), strict=True)),
             )
-            outcome.won.append(_won_row(db, row))
+            run._state.adding = False
+            run._state.db = db
+            outcome.won.append(run)
     outcome.busy.sort()
     return outcome, undecided
 
