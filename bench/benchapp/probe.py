@@ -4,7 +4,9 @@
   ``execute_wrappers``, installed on each connection as it is created), by kind;
 * every claiming transaction (:func:`django_anarchon.store.decide`): claims sent,
   won, skipped, deferred; the rest were decided by someone else (lost);
-* when the scheduler finished its start-up, CPU seconds and RSS.
+* when the scheduler finished its start-up, CPU seconds and RSS;
+* the probe's own thread (its native id and CPU seconds), which the scenarios take off the
+  process's CPU: the measured instance pays for counting and dumping, the references do not.
 
 The file ``probe-<pid>.json`` is rewritten (atomically) every half second. The
 counting costs a Python call per statement, nothing on the database.
@@ -23,6 +25,7 @@ from typing import Any
 
 _TABLE = re.compile(r'(?:FROM|INTO|UPDATE)\s+[`"]?(\w+)', re.IGNORECASE)
 _lock = threading.Lock()
+_probe_cpu = 0.0  # CPU seconds the probe's thread has used, as of its last snapshot
 queries: Counter[str] = Counter()
 decide: Counter[str] = Counter()
 
@@ -87,6 +90,8 @@ def snapshot() -> dict[str, Any]:
         "decide": decided,
         "cpu": times.user + times.system,
         "rss_kb": _rss_kb(),
+        "probe_tid": threading.get_native_id(),
+        "probe_cpu": _probe_cpu,
     }
 
 
@@ -94,7 +99,9 @@ def _dump(folder: Path) -> None:
     path = folder / f"probe-{os.getpid()}.json"
     temporary = path.with_suffix(".tmp")
     ready_at: float | None = None
+    global _probe_cpu
     while True:
+        _probe_cpu = time.thread_time()
         data = snapshot()
         if data["ready"] and ready_at is None:
             ready_at = data["time"]

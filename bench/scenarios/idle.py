@@ -40,7 +40,10 @@ def idle(ctx: Context, jobs: int, seconds: int) -> dict[str, Any]:
         "seconds": round(elapsed, 1),
         "queries_per_s": round((last["queries"] - first["queries"]) / elapsed, 3),
         "by_kind_per_s": {k: round(v / elapsed, 3) for k, v in sorted(kinds.items()) if v},
-        "cpu_s_per_min": round((last["cpu"] - first["cpu"]) / elapsed * 60, 3),
+        # Less the probe's own thread, which the measured instance would not have.
+        "cpu_s_per_min": round(
+            (last["cpu"] - first["cpu"] - (last["probe_cpu"] - first["probe_cpu"])) / elapsed * 60, 3
+        ),
         "rss_mb": round(last["rss_kb"] / 1024, 1),
         "startup_s": round(first["ready_at"] - instance.spawned, 2),
         "fires": len(recorder.read(folder)),

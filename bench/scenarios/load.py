@@ -4,9 +4,9 @@ Every anarchon figure here is measured with the default settings (``MAX_WORKERS`
 ``POLL_INTERVAL`` 1 s, ``LEASE_TTL`` 30 s) and real ``manage.py anarchon`` processes; the
 references are APScheduler 3's BackgroundScheduler in one process, measured in the same run:
 
-* **cost**: CPU per run of the scheduler processes (user + system, every thread, from
-  ``/proc``) over the measured window, 100 jobs every second, a trivial handler, one instance
-  against APScheduler with its default pool (10 threads);
+* **cost**: CPU per run of the scheduler processes (user + system, every thread but the
+  benchmark's own probe, from ``/proc``) over the measured window, 100 jobs every second, a
+  trivial handler, one instance against APScheduler with its default pool (10 threads);
 * **lateness**: 100 jobs every second, 1 and 3 instances, with the trivial handler (against
   APScheduler's default pool) and with a handler that writes one row with the ORM (against
   APScheduler with the same handler and 16 threads, the default ``MAX_WORKERS``);
@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from bench import machine, recorder, stats
-from bench.cluster import ROOT, Cluster
+from bench.cluster import ROOT, Cluster, Instance
 from bench.context import Context, reset_database, sleep_until
 
 EVERY_MS = 1000
@@ -61,6 +61,17 @@ def _summary(starts: list[recorder.Start], jobs: int, first: int, end: int, cpu_
     result["cpu_s"] = round(cpu_s, 3)
     result["cpu_per_run_ms"] = round(cpu_s / result["runs"] * 1000, 3) if result["runs"] else math.nan
     return result
+
+
+def _scheduler_cpu_s(instances: list[Instance]) -> float:
+    """CPU seconds the instances have used so far, less their probe threads' (see benchapp/probe.py)."""
+    total = 0.0
+    for instance in instances:
+        probe = instance.probe() or {}
+        total += machine.process_cpu_s(instance.pid) or 0.0
+        if "probe_tid" in probe:
+            total -= machine.thread_cpu_s(instance.pid, probe["probe_tid"])
+    return total
 
 
 def apscheduler(ctx: Context, jobs: int, handler: str, workers: int, duration: int) -> dict[str, Any]:
@@ -106,7 +117,7 @@ def anarchon(
         cluster.wait_ready(cluster.start(instances))
         first, end = window(duration)
         sleep_until(first / 1000)
-        cpu_before = sum(machine.process_cpu_s(i.pid) or 0.0 for i in cluster.instances)
+        cpu_before = _scheduler_cpu_s(cluster.instances)
         dropped_at = None
         if pause_after is not None:
             sleep_until(first / 1000 + pause_after)
@@ -117,7 +128,7 @@ def anarchon(
             )
             dropped_at = int(time.time() * 1000)
         sleep_until(end / 1000)
-        cpu_after = sum(machine.process_cpu_s(i.pid) or 0.0 for i in cluster.instances)
+        cpu_after = _scheduler_cpu_s(cluster.instances)
         sleep_until(end / 1000 + 2.0)
         errors = sum(i.output().count(" ERROR ") for i in cluster.instances)
     starts = recorder.read(folder)
