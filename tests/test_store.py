@@ -160,6 +160,9 @@ def test_a_won_claim_equals_the_row_on_record() -> None:
     assert run.created_at.tzinfo is not None and run.lease_expires_at.utcoffset() == timedelta(0)
     assert not run._state.adding and run._state.db == store.alias()  # saved: run.save() updates, never inserts
     assert run.data is not job.data, "a run's data is its own: a handler changing it changes no other run"
+    run.detail = "changed"
+    run.save(update_fields=["detail"])  # built without Model.__init__, it is still a model instance like any
+    assert Run.objects.get(pk=run.pk).detail == "changed" and Run.objects.count() == 1
 
 
 def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsewhere() -> None:

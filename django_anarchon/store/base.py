@@ -22,6 +22,7 @@ from django.db import (
     router,
 )
 from django.db.models import Max
+from django.db.models.base import ModelState
 
 from ..clock import sleep
 from ..dbtime import DbNow
@@ -66,35 +67,48 @@ def _iso(slot: int) -> str:
 
 
 @functools.cache
-def _run_defaults() -> tuple[tuple[str, ...], tuple[Any, ...]]:
-    """The attribute names of a run's columns, in order, and their defaults (none is mutable)."""
-    fields = Run._meta.concrete_fields
-    return tuple(f.attname for f in fields), tuple(f.get_default() for f in fields)
+def _run_defaults() -> dict[str, Any]:
+    """Each of a run's columns by attribute name, with its default (none is mutable)."""
+    return {f.attname: f.get_default() for f in Run._meta.concrete_fields}
 
 
-def first_attempt(claim: Claim, status: str, *, instance_id: str, owner: str, data: Any, **fields: Any) -> Run:
-    """The row of the first attempt at ``claim``'s slot (not saved), with ``fields`` on top.
+def built_run(values: dict[str, Any], db: str | None = None) -> Run:
+    """A run from the value of every column by attribute name: read from ``db``, or not saved (None).
 
-    Built from positional values, as ``Model.from_db`` builds rows: keyword
-    arguments take ``Model.__init__`` twice as long, and a claim builds one
-    row per slot.
+    Set as ``Model.from_db`` sets them, without ``Model.__init__``, which walks
+    every field for keyword arguments and sends ``pre_init``/``post_init``: a
+    claim builds one row per slot, and that was most of its client side. Run has
+    no field whose descriptor sets anything (no file, no relation).
     """
-    fields.update(
+    run = Run.__new__(Run)
+    state = ModelState()
+    state.adding = db is None
+    state.db = db
+    run._state = state
+    run.__dict__.update(values)
+    return run
+
+
+def first_attempt(
+    claim: Claim, status: str, *, instance_id: str, owner: str, data: Any, db: str | None = None, **fields: Any
+) -> Run:
+    """The row of the first attempt at ``claim``'s slot, with ``fields`` on top: read from ``db``, or not saved."""
+    defaults = _run_defaults()
+    if not fields.keys() <= defaults.keys():
+        raise TypeError(f"Run has no column {sorted(fields.keys() - defaults.keys())}")
+    values = defaults.copy()
+    values.update(
         job=claim.job.name,
         slot=claim.slot,
-        attempt=1,
         status=status,
         reason=claim.reason,
-        manual=False,
         scheduled_at=slot_datetime(claim.slot),
         instance_id=instance_id,
         owner=owner,
         data=data,
     )
-    names, defaults = _run_defaults()
-    values = [fields.pop(name, default) for name, default in zip(names, defaults, strict=True)]
-    model: Any = Run  # positional values: the stubs know the fields by keyword only
-    return model(*values, **fields)  # type: ignore[no-any-return]
+    values.update(fields)
+    return built_run(values, db)
 
 
 @dataclass

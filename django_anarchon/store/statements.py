@@ -525,11 +525,10 @@ def claim_scheduled(
                 instance_id=instance_id,
                 owner=owner,
                 data=None if (text := texts[job]) is None else json.loads(text),  # each run its own copy
+                db=db,
                 id=run_id,
                 **dict(zip(_CLAIM_INSTANTS, (seen[us] for us in instants), strict=True)),
             )
-            run._state.adding = False
-            run._state.db = db
             outcome.won.append(run)
     outcome.busy.sort()
     return outcome, undecided
