@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,18 @@ from .taskjobs import TaskArguments
 from .workers import CLOCK_RECHECK_S, Starter, Workers, check_idle_connections, tidy_connections
 
 logger = logging.getLogger("django_anarchon")
+# Runs released together are started by one worker first, not by a worker each: sixteen threads
+# woken at once pass the GIL back and forth at every blocking call (a write, a query), and that
+# more than doubled the CPU a run cost, the handler's own included (docs/performance.md). How many
+# workers a burst calls for is learnt from handlers that started alone: their time over their CPU time
+# (a handler that mostly waits on the database or a service calls for more threads; one that mostly
+# computes gains nothing from a second, which would only queue for the GIL). Every STALL_S while
+# runs wait, workers are added up to that many; and doubled (up to MAX_WORKERS) when no worker has
+# taken a run for STUCK_S, so that handlers that block hold up the runs behind them that long at most.
+STALL_S = 0.001
+STUCK_S = 0.005
+# How the learnt fan-out follows each solo run (a moving average).
+FANOUT_WEIGHT = 0.2
 
 
 async def _invoke(handler: Callable[[Context], Any], ctx: Context) -> BaseException | None:
@@ -52,7 +65,9 @@ class Runner:
     worker whose handler returns takes it at once: the instance may hold more
     runs than it has workers when its handlers are quick (see
     :meth:`RunTable.capacity`), and those start a moment later instead of being
-    left undecided and claimed again.
+    left undecided and claimed again. A burst of runs is taken by one worker
+    first, and by as many more as handlers call for (``STALL_S``; the
+    starter's thread looks after runs left waiting).
     """
 
     def __init__(
@@ -76,10 +91,13 @@ class Runner:
         self.event_loop = event_loop  # where async handlers run, started on first use
         self.watch = watch  # a deadline was just set: the watchdog should look again
         self.workers = Workers()
-        self.starter = Starter(clock.exact_ms, self._hand_on)
+        self.starter = Starter(clock.exact_ms, self._hand_on, self._unstall)
         self._lock = threading.Lock()
         self._executing = 0  # tasks on workers (each runs attempts until the local queue is empty)
         self._ready: collections.deque[ActiveRun] = collections.deque()  # released, waiting for a worker
+        self._watched = False  # the starter looks after runs left waiting (see _unstall)
+        self._fanout: float | None = None  # workers a burst calls for, learnt from solo runs (see STALL_S)
+        self._taken_at = 0.0  # monotonic time a worker last took a run
 
     def start(self, active: ActiveRun) -> None:
         """Execute ``active`` on a worker: at once, or at its slot if it was claimed ahead."""
@@ -94,17 +112,63 @@ class Runner:
 
     def _hand_on(self, active: ActiveRun) -> None:
         """Give a released run to a worker, or queue it for the next worker that is free."""
+        active.released_at = time.monotonic()
         with self._lock:
-            if self._executing >= self.max_workers:
-                self._ready.append(active)
-                return
-            self._executing += 1
+            self._ready.append(active)
+            wake = self._executing == 0
+            if wake:
+                self._executing += 1
+                active = self._ready.popleft()  # the oldest waiting: runs start in the order released
+                self._taken_at = active.released_at
+            watch = not wake and not self._watched and self._executing < self.max_workers
+            if watch:
+                self._watched = True
+        if wake:
+            self._submit(active)
+        elif watch:
+            self.starter.watch()
+
+    def _submit(self, active: ActiveRun) -> None:
         try:
             self.workers.submit(active, self._work)
         except BaseException:
             with self._lock:
                 self._executing -= 1
+                self._ready.appendleft(active)
             raise
+
+    def _unstall(self) -> float | None:
+        """On the starter's thread: more workers for runs left waiting (see ``STALL_S``); seconds to the next look.
+
+        None once no run waits (or every worker is taken): nothing to look after.
+        """
+        with self._lock:
+            if not self._ready or self._executing >= self.max_workers:
+                self._watched = False
+                return None
+            now = time.monotonic()
+            oldest = self._ready[0].released_at
+            if now - oldest < STALL_S:
+                return STALL_S - (now - oldest)
+            if self._fanout is None or now - max(self._taken_at, oldest) >= STUCK_S:
+                wanted = 2 * self._executing
+            else:
+                wanted = math.ceil(self._fanout)
+            more = min(wanted - self._executing, self.max_workers - self._executing, len(self._ready))
+            if more <= 0:
+                return STALL_S
+            self._executing += more
+            taken = [self._ready.popleft() for _ in range(more)]
+            self._taken_at = now
+        for active in taken:
+            self._submit(active)
+        return STALL_S
+
+    def _learn(self, wall: float, cpu: float) -> None:
+        """A handler started alone took ``wall`` seconds, ``cpu`` of them on the CPU: learn what bursts call for."""
+        ratio = wall / max(cpu, 1e-6)
+        fanout = self._fanout
+        self._fanout = ratio if fanout is None else (1 - FANOUT_WEIGHT) * fanout + FANOUT_WEIGHT * ratio
 
     def _work(self, active: ActiveRun) -> None:
         """A worker's task: run ``active``, then every run that waits for a worker, then leave."""
@@ -117,6 +181,7 @@ class Runner:
             with self._lock:
                 if self._ready:
                     current = self._ready.popleft()
+                    self._taken_at = time.monotonic()
                 else:
                     current = None
                     self._executing -= 1
@@ -164,7 +229,11 @@ class Runner:
             self.table.finish_enqueued(active, lambda: taskjobs.enqueue(job.task, arguments, run.slot, run.data))
             tidy_connections()
             return
+        solo = self._executing == 1 and not job.is_async
+        wall, cpu = time.monotonic(), time.thread_time()
         error = self._call(active)
+        if solo:
+            self._learn(time.monotonic() - wall, time.thread_time() - cpu)
         tidy_connections()  # before this thread takes another run: no transaction left open
         self.table.returned(active)
         self.table.finish(active, error)

@@ -78,6 +78,7 @@ class ActiveRun:
         self.signal = AbortSignal()
         self.renewed_at = renewed_at  # monotonic time the last committed renewal was sent
         self.started = time.monotonic()
+        self.released_at = 0.0  # monotonic time it was handed on to a worker (see Runner)
         self.deadline: float | None = None  # set when the handler starts (a run may be claimed ahead)
         self.returned = False  # the handler is over (or never started): no longer uses a worker
         self.returned_at: float | None = None  # monotonic time it did

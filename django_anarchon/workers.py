@@ -179,29 +179,50 @@ class Starter:
     instant and queue for the GIL, and a hundred simultaneous runs started
     many times slower (docs/performance.md). A run whose signal aborts first
     (stop, a lost lease) is released at once, to be ended by its worker.
-    The thread exists while runs wait.
+
+    The same thread looks after released runs still waiting for a worker
+    (``stalled``: called once :meth:`watch` asks, it returns the seconds until
+    it wants to be called again, or None). The thread exists while runs wait.
     """
 
     def __init__(
         self,
         now_ms: Callable[[], float],
         release: Callable[[ActiveRun], None],
+        stalled: Callable[[], float | None] | None = None,
     ) -> None:
         self._now_ms = now_ms
         self._release = release
+        self._stalled = stalled
+        self._watching = False
         self._waiting: list[tuple[int, int, ActiveRun]] = []  # a heap by slot
         self._order = itertools.count()
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
     def add(self, active: ActiveRun) -> None:
+        entry = (active.run.slot, next(self._order), active)
         with self._changed:
-            heapq.heappush(self._waiting, (active.run.slot, next(self._order), active))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="anarchon-starter", daemon=True)
-                self._thread.start()
-            self._changed.notify()
+            # Only a run due sooner than every waiting one changes when the thread must wake:
+            # waking it for each of a hundred runs of one instant took the GIL a hundred times.
+            sooner = not self._waiting or entry[0] < self._waiting[0][0]
+            heapq.heappush(self._waiting, entry)
+            self._ensure_thread()
+            if sooner:
+                self._changed.notify()
         active.signal.on_abort(self.wake)
+
+    def watch(self) -> None:
+        """Call ``stalled`` soon, and again when it says, until it returns None."""
+        with self._changed:
+            self._watching = True
+            self._ensure_thread()
+            self._changed.notify()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="anarchon-starter", daemon=True)
+            self._thread.start()
 
     @property
     def running(self) -> bool:
@@ -213,13 +234,28 @@ class Starter:
         with self._changed:
             self._changed.notify()
 
+    def _look_after(self) -> float | None:
+        """Call ``stalled`` if asked to; the seconds until it wants to be called again (None: not watching)."""
+        with self._changed:
+            if not self._watching:
+                return None
+            self._watching = False  # a watch() asked for while stalled() runs sets it again
+        again = None
+        if self._stalled is not None:
+            try:
+                again = self._stalled()
+            except Exception:  # the runs waiting are still taken by the workers that free up
+                logger.exception("Internal error while looking after runs waiting for a worker")
+        if again is not None:
+            with self._changed:
+                self._watching = True
+        return again
+
     def _serve(self) -> None:
         while True:
+            again = self._look_after()
             with self._changed:
                 while True:
-                    if not self._waiting:
-                        self._thread = None
-                        return
                     now = self._now_ms()
                     due: list[tuple[int, int, ActiveRun]] = []
                     later: list[tuple[int, int, ActiveRun]] = []
@@ -229,7 +265,19 @@ class Starter:
                         self._waiting = later
                         heapq.heapify(self._waiting)
                         break
-                    self._changed.wait(min((self._waiting[0][0] - now) / 1000, CLOCK_RECHECK_S))
+                    if not self._waiting and not self._watching:
+                        self._thread = None
+                        return
+                    if self._watching and again is None:
+                        break  # asked to watch since the last look: look now
+                    timeout = CLOCK_RECHECK_S
+                    if self._waiting:
+                        timeout = min(timeout, (self._waiting[0][0] - now) / 1000)
+                    if self._watching and again is not None:
+                        timeout = min(timeout, again)
+                    self._changed.wait(max(timeout, 0.0))
+                    if self._watching:
+                        break  # look after the waiting runs again, then at the slots
             for _, _, active in sorted(due, key=lambda entry: entry[:2]):
                 try:
                     self._release(active)

@@ -154,3 +154,78 @@ def test_a_run_stopped_before_its_slot_is_ended_without_starting(monkeypatch: py
     assert called == []
     [(ended, error, started)] = ends.calls
     assert ended is active and isinstance(error, Interrupted) and started is False
+
+
+# -- how many workers a burst of runs gets -------------------------------------------------------
+
+
+def burst(runner: Runner, table: RunTable, handler: Any, count: int, first_id: int) -> None:
+    """``count`` runs released at once, as the starter releases the runs of one instant."""
+    slot = int(time.time() * 1000) - 5
+    actives = [
+        hold(table, build_job("interval", f"b{first_id + n}", "1s", handler, {}), first_id + n, slot)
+        for n in range(count)
+    ]
+    for active in actives:
+        runner.start(active)
+
+
+def test_a_burst_of_quick_runs_is_taken_by_one_or_two_workers_not_a_worker_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sixteen threads woken for a hundred quick handlers only pass the GIL around (docs/performance.md)."""
+    runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=16)
+    threads: list[str] = []
+
+    def quick(ctx: Any) -> None:
+        threads.append(threading.current_thread().name)
+
+    for round_ in range(3):  # the first bursts teach the runner what these handlers call for
+        threads.clear()
+        burst(runner, table, quick, 100, 1 + 100 * round_)
+        wait_for(lambda: len(threads) == 100, 5, what="every quick run")
+        time.sleep(0.05)
+    assert len(set(threads)) <= 3, f"a hundred quick runs went to {len(set(threads))} workers"
+    assert runner._fanout is not None and runner._fanout < 3
+
+
+def test_runs_behind_a_handler_that_blocks_get_another_worker_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=4)
+    done: list[str] = []
+    burst(runner, table, lambda ctx: done.append(ctx.name), 20, 1)  # learnt: quick handlers, one worker
+    wait_for(lambda: len(done) == 20, 5, what="the quick runs")
+    gate = threading.Event()
+    blocked_at = time.monotonic()
+    burst(runner, table, lambda ctx: gate.wait(10), 1, 100)
+    burst(runner, table, lambda ctx: done.append(ctx.name), 3, 200)
+    try:
+        wait_for(lambda: len(done) == 23, 2, what="the runs released behind the blocked one")
+        assert time.monotonic() - blocked_at < 1.0
+    finally:
+        gate.set()
+        wait_for(lambda: len(ends.calls) == 24, 5, what="the blocked run to end")
+
+
+def test_handlers_that_wait_on_io_get_every_worker_they_call_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler that mostly waits (a query to a slow database, a request) gains from a thread each."""
+    runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=8)
+    lock = threading.Lock()
+    running = [0, 0]  # now, most at once
+
+    def waits(ctx: Any) -> None:
+        with lock:
+            running[0] += 1
+            running[1] = max(running)
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+
+    burst(runner, table, waits, 2, 1)  # learnt: 50 ms of waiting for almost no CPU
+    wait_for(lambda: len(ends.calls) == 2, 5, what="the first runs")
+    assert runner._fanout is not None and runner._fanout > 8
+    running[1] = 0
+    released = time.monotonic()
+    burst(runner, table, waits, 16, 10)
+    wait_for(lambda: len(ends.calls) == 18, 5, what="the burst")
+    assert running[1] == 8, f"at most {running[1]} of 8 workers at once"
+    assert time.monotonic() - released < 0.5, "16 runs of 50 ms on 8 workers: two rounds, not sixteen"
