@@ -35,8 +35,44 @@ logger = logging.getLogger("django_anarchon")
 # taken a run for STUCK_S, so that handlers that block hold up the runs behind them that long at most.
 STALL_S = 0.001
 STUCK_S = 0.005
+# How long to wait before trying again when no worker thread could be started.
+RETRY_S = 0.1
 # How the learnt fan-out follows each solo run (a moving average).
 FANOUT_WEIGHT = 0.2
+
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
+
+if resource is not None and hasattr(resource, "RUSAGE_THREAD"):  # Linux
+
+    def _switches() -> tuple[int, int] | None:
+        """How often this thread has waited (voluntary switches), and been taken off the CPU while it could run."""
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        return usage.ru_nvcsw, usage.ru_nivcsw
+
+else:
+
+    def _switches() -> tuple[int, int] | None:
+        return None  # not known here: every call counts as one that waited
+
+
+def _calls_for(wall: float, cpu: float, before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Threads a handler calls for, from one call alone: its time over its CPU time; None when that says nothing.
+
+    A call that never waited (no voluntary switch) computed all along: one
+    thread, however long a busy machine held it off the CPU. A call that
+    waited and was also held off the CPU is left out: what part of its time
+    was waiting cannot be told.
+    """
+    if before is not None and after is not None:
+        if after[0] == before[0]:
+            return 1.0
+        if after[1] != before[1]:
+            return None
+    return wall / max(cpu, 1e-6)
 
 
 async def _invoke(handler: Callable[[Context], Any], ctx: Context) -> BaseException | None:
@@ -98,6 +134,7 @@ class Runner:
         self._watched = False  # the starter looks after runs left waiting (see _unstall)
         self._fanout: float | None = None  # workers a burst calls for, learnt from solo runs (see STALL_S)
         self._taken_at = 0.0  # monotonic time a worker last took a run
+        self._retry_at = 0.0  # no worker could be started: not before this monotonic time again
 
     def start(self, active: ActiveRun) -> None:
         """Execute ``active`` on a worker: at once, or at its slot if it was claimed ahead."""
@@ -124,18 +161,32 @@ class Runner:
             if watch:
                 self._watched = True
         if wake:
-            self._submit(active)
+            self._submit([active])
         elif watch:
             self.starter.watch()
 
-    def _submit(self, active: ActiveRun) -> None:
-        try:
-            self.workers.submit(active, self._work)
-        except BaseException:
-            with self._lock:
-                self._executing -= 1
-                self._ready.appendleft(active)
-            raise
+    def _submit(self, taken: list[ActiveRun]) -> None:
+        """Start a worker task for each of ``taken`` (already counted in ``_executing``).
+
+        If a worker cannot be had (the process may start no more threads), that
+        run and the ones after it go back to the front of the queue, in order,
+        no longer counted, and the starter tries again in a moment (RETRY_S).
+        """
+        for done, active in enumerate(taken):
+            try:
+                self.workers.submit(active, self._work)
+            except Exception:
+                logger.exception("Could not start a worker for %r; trying again shortly", active.run.job)
+                rest = taken[done:]
+                with self._lock:
+                    self._executing -= len(rest)
+                    self._ready.extendleft(reversed(rest))
+                    self._retry_at = time.monotonic() + RETRY_S
+                    watch = not self._watched
+                    self._watched = True
+                if watch:
+                    self.starter.watch()
+                return
 
     def _unstall(self) -> float | None:
         """On the starter's thread: more workers for runs left waiting (see ``STALL_S``); seconds to the next look.
@@ -148,25 +199,30 @@ class Runner:
                 return None
             now = time.monotonic()
             oldest = self._ready[0].released_at
-            if now - oldest < STALL_S:
-                return STALL_S - (now - oldest)
-            if self._fanout is None or now - max(self._taken_at, oldest) >= STUCK_S:
+            start_at = max(oldest + STALL_S, self._retry_at)
+            if now < start_at:
+                return start_at - now
+            stuck_at = max(self._taken_at, oldest) + STUCK_S
+            if self._fanout is None or now >= stuck_at:
                 wanted = 2 * self._executing
             else:
                 wanted = math.ceil(self._fanout)
-            more = min(wanted - self._executing, self.max_workers - self._executing, len(self._ready))
+            more = min(max(wanted, 1) - self._executing, self.max_workers - self._executing, len(self._ready))
             if more <= 0:
-                return STALL_S
+                # As many workers as these handlers call for: only the STUCK_S mark
+                # can change that (a worker taking a run moves it on).
+                return max(stuck_at - now, STALL_S)
             self._executing += more
             taken = [self._ready.popleft() for _ in range(more)]
             self._taken_at = now
-        for active in taken:
-            self._submit(active)
+        self._submit(taken)
         return STALL_S
 
-    def _learn(self, wall: float, cpu: float) -> None:
-        """A handler started alone took ``wall`` seconds, ``cpu`` of them on the CPU: learn what bursts call for."""
-        ratio = wall / max(cpu, 1e-6)
+    def _learn(self, ratio: float | None) -> None:
+        """A handler started alone called for ``ratio`` threads (see ``_calls_for``): learn what bursts call for."""
+        if ratio is None:
+            return
+        ratio = min(ratio, self.max_workers)
         fanout = self._fanout
         self._fanout = ratio if fanout is None else (1 - FANOUT_WEIGHT) * fanout + FANOUT_WEIGHT * ratio
 
@@ -230,10 +286,10 @@ class Runner:
             tidy_connections()
             return
         solo = self._executing == 1 and not job.is_async
-        wall, cpu = time.monotonic(), time.thread_time()
+        wall, cpu, switches = time.monotonic(), time.thread_time(), _switches()
         error = self._call(active)
         if solo:
-            self._learn(time.monotonic() - wall, time.thread_time() - cpu)
+            self._learn(_calls_for(time.monotonic() - wall, time.thread_time() - cpu, switches, _switches()))
         tidy_connections()  # before this thread takes another run: no transaction left open
         self.table.returned(active)
         self.table.finish(active, error)

@@ -134,14 +134,20 @@ class Workers:
         return len(self._idle)
 
     def submit(self, active: ActiveRun, work: Callable[[ActiveRun], None]) -> None:
-        self._tasks.put((work, active))
+        """Have an idle thread, or a new one, call ``work(active)``.
+
+        Raises (and queues nothing) if a new thread is needed and cannot be
+        started: a task queued without a thread for it would be run later by
+        whichever thread frees up, after the caller had given the run to another.
+        """
         try:
             self._idle.pop()
         except IndexError:
-            self.started += 1
             thread = threading.Thread(target=self._serve, name=f"anarchon-worker-{next(self._count)}", daemon=True)
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
+            self.started += 1
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        self._tasks.put((work, active))
 
     def close(self) -> None:
         """Let every thread leave once it is done with its task, closing its connections (the scheduler stops)."""

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 
 from django_anarchon import Interrupted, signals
+from django_anarchon import runner as runner_module
 from django_anarchon.clock import Clock
 from django_anarchon.conf import parse
 from django_anarchon.models import Run
 from django_anarchon.recorder import Recorder
 from django_anarchon.registry import Job, build_job
-from django_anarchon.runner import Runner
+from django_anarchon.runner import STALL_S, STUCK_S, Runner, _calls_for
 from django_anarchon.runs import ActiveRun, Phase, RunTable
 from tests.conftest import wait_for
 
@@ -173,7 +174,13 @@ def burst(runner: Runner, table: RunTable, handler: Any, count: int, first_id: i
 def test_a_burst_of_quick_runs_is_taken_by_one_or_two_workers_not_a_worker_each(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Sixteen threads woken for a hundred quick handlers only pass the GIL around (docs/performance.md)."""
+    """Sixteen threads woken for a hundred quick handlers only pass the GIL around (docs/performance.md).
+
+    What is shown is the learnt fan-out: the doubling for runs no worker has
+    taken for STUCK_S is kept out of it, as a machine busy with other work can
+    hold a worker off the CPU that long (and would rightly double them).
+    """
+    monkeypatch.setattr(runner_module, "STUCK_S", 1.0)
     runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=16)
     threads: list[str] = []
 
@@ -222,10 +229,103 @@ def test_handlers_that_wait_on_io_get_every_worker_they_call_for(monkeypatch: py
 
     burst(runner, table, waits, 2, 1)  # learnt: 50 ms of waiting for almost no CPU
     wait_for(lambda: len(ends.calls) == 2, 5, what="the first runs")
-    assert runner._fanout is not None and runner._fanout > 8
+    # learnt from that call, if a busy machine did not also hold it off the CPU (see _calls_for)
+    assert runner._fanout in (None, 8), "as many as MAX_WORKERS, and no more"
     running[1] = 0
     released = time.monotonic()
     burst(runner, table, waits, 16, 10)
     wait_for(lambda: len(ends.calls) == 18, 5, what="the burst")
     assert running[1] == 8, f"at most {running[1]} of 8 workers at once"
     assert time.monotonic() - released < 0.5, "16 runs of 50 ms on 8 workers: two rounds, not sixteen"
+
+
+def test_a_worker_that_cannot_be_started_leaves_no_run_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of workers where the second cannot start: that run and the rest go back in order, and all run once."""
+    monkeypatch.setattr(runner_module, "RETRY_S", 0.05)
+    runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=8)
+    runner._fanout = 8.0  # learnt: these handlers wait, a burst calls for eight workers
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def waits(ctx: Any) -> None:
+        ran.append(ctx.name)
+        gate.wait(5)
+
+    real_submit = runner.workers.submit
+    submits = [0]
+
+    def second_fails(active: ActiveRun, work: Any) -> None:
+        submits[0] += 1
+        if submits[0] == 2:
+            raise RuntimeError("can't start new thread")
+        real_submit(active, work)
+
+    monkeypatch.setattr(runner.workers, "submit", second_fails)
+    burst(runner, table, waits, 6, 1)
+    try:
+        wait_for(lambda: len(ran) == 6, 5, what="every run of the burst on a worker of its own")
+    finally:
+        gate.set()
+    wait_for(lambda: len(ends.calls) == 6, 5, what="every run to end")
+    assert sorted(ran) == [f"b{n}" for n in range(1, 7)], "each run once, none lost, none twice"
+    wait_for(lambda: runner._executing == 0, 5, what="the workers to be counted free again")
+    assert submits[0] >= 7, "the failed submit was tried again"
+
+
+def test_the_first_worker_that_cannot_be_started_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner_module, "RETRY_S", 0.05)
+    runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=4)
+    real_submit = runner.workers.submit
+    fails = [1]
+
+    def first_fails(active: ActiveRun, work: Any) -> None:
+        if fails[0]:
+            fails[0] -= 1
+            raise RuntimeError("can't start new thread")
+        real_submit(active, work)
+
+    monkeypatch.setattr(runner.workers, "submit", first_fails)
+    done: list[str] = []
+    burst(runner, table, lambda ctx: done.append(ctx.name), 1, 1)
+    wait_for(lambda: done == ["b1"], 5, what="the run, once a worker could be started")
+    wait_for(lambda: len(ends.calls) == 1 and runner._executing == 0, 5, what="the run to end, its worker free")
+
+
+def test_workers_at_the_fan_out_the_handlers_call_for_are_looked_at_again_only_when_they_may_be_stuck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through a burst that drains as it should, the starter is not woken every STALL_S for nothing."""
+    runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=8)
+    runner._fanout = 2.0
+    job = build_job("interval", "w", "1s", lambda ctx: None, {})
+    now = time.monotonic()
+    for n in range(5):
+        active = hold(table, job, n + 1, 0)
+        active.released_at = now - 2 * STALL_S
+        runner._ready.append(active)
+    runner._executing = 2  # as many as the handlers call for
+    runner._taken_at = now
+    again = runner._unstall()
+    assert again is not None and STUCK_S - 2 * STALL_S < again <= STUCK_S, again
+    assert runner._executing == 2 and len(runner._ready) == 5, "no worker added"
+
+
+def test_what_a_handler_calls_for_is_told_by_how_it_spent_its_time() -> None:
+    """Waiting calls for threads; computing, or being held off the CPU by a busy machine, does not."""
+    assert _calls_for(0.050, 0.001, (10, 3), (11, 3)) == pytest.approx(50), "waited 49 of 50 ms"
+    assert _calls_for(0.050, 0.001, (10, 3), (10, 5)) == 1.0, "never waited: held off the CPU, not waiting"
+    assert _calls_for(0.050, 0.001, (10, 3), (12, 4)) is None, "waited and held off: cannot be told apart"
+    assert _calls_for(0.050, 0.001, None, None) == pytest.approx(50), "no counts: time over CPU time"
+
+
+def test_a_learnt_fan_out_never_passes_max_workers_and_ignores_calls_that_say_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runner, table, ends = make_runner(monkeypatch, MAX_WORKERS=4)
+    runner._learn(None)
+    assert runner._fanout is None
+    runner._learn(1000.0)
+    assert runner._fanout == 4
+    runner._learn(None)
+    runner._learn(1.0)
+    assert runner._fanout == pytest.approx(0.8 * 4 + 0.2 * 1)

@@ -254,3 +254,25 @@ def test_consecutive_runs_on_one_worker_share_its_database_connection(sched: Any
     threads = {name for name, _ in seen}
     assert len(threads) == 1, "one idle worker took every run"
     assert seen[0][1] is seen[1][1] is seen[2][1], "and kept its connection between them"
+
+
+def test_a_thread_that_cannot_be_started_queues_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller keeps the run when submit raises: a task left queued would run it a second time later."""
+    workers = Workers()
+    ran: list[int] = []
+    real_start = threading.Thread.start
+    failing = [True]
+
+    def refusing_start(self: threading.Thread) -> None:
+        if failing[0]:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refusing_start)
+    with pytest.raises(RuntimeError):
+        workers.submit(active(1), lambda run: ran.append(1))
+    failing[0] = False
+    workers.submit(active(2), lambda run: ran.append(2))
+    wait_for(lambda: workers.idle == 1, 5, what="the thread to be idle again")
+    time.sleep(0.05)
+    assert ran == [2] and workers.started == 1
