@@ -133,6 +133,26 @@ def test_default_data_is_used_when_the_job_has_none() -> None:
     assert outcome.won[0].data == {"scheduler": True}
 
 
+def test_values_a_claim_writes_into_its_statement_arrive_as_sent() -> None:
+    """Quotes, backslashes, percent signs and non-ASCII text in names, instance ids and data.
+
+    On MariaDB the claim's INSERT carries its values escaped in the statement's text
+    (as the driver would have), once per distinct value; elsewhere they go as parameters.
+    """
+    odd = ['50% o\'clock \\ "done" %s %(x)s', "tâche-été ✓ ; DROP TABLE x; --", "plain"]
+    jobs = [make_job(name, data={"note": name, "pct": "100%", "n": n}) for n, name in enumerate(odd)]
+    owner = "o'wner %s \\"
+    outcome = decide([store.Claim(job, SLOT) for job in jobs], owner=owner, default_data={"unused": True})
+    assert sorted(r.job for r in outcome.won) == sorted(odd)
+    for n, name in enumerate(odd):
+        stored = Run.objects.get(job=name, slot=SLOT)
+        assert stored.data == {"note": name, "pct": "100%", "n": n}
+        assert stored.owner == owner and stored.instance_id == f"i-{owner}" and stored.status == "running"
+        assert stored.scheduled_at == store.slot_datetime(SLOT) and stored.lease_expires_at > stored.created_at
+        won = next(r for r in outcome.won if r.job == name)
+        assert (won.pk, won.data, won.lease_expires_at) == (stored.pk, stored.data, stored.lease_expires_at)
+
+
 def test_a_paused_job_is_neither_run_nor_recorded() -> None:
     job = make_job()
     JobState.objects.create(name="job", paused=True)

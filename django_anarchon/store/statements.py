@@ -25,6 +25,7 @@ from django.db import ProgrammingError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import DateTimeField, ExpressionWrapper, Model
+from django.db.models.base import ModelState
 from django.db.models.constants import OnConflict
 from django.db.models.sql import Query
 
@@ -125,8 +126,25 @@ def _read(model: type[M], sql: str, params: Sequence[Any], only: Sequence[str] =
         values = list(row)
         for index, converters in converting:
             values[index] = _converted(values[index], converters, connection)
-        found.append(model.from_db(db, names, values))
+        found.append(_instance(model, db, names, values))
     return found
+
+
+def _instance(model: type[M], db: str, names: list[str], values: list[Any]) -> M:
+    """``model.from_db(db, names, values)`` without ``Model.__init__`` (as :func:`base.built_run` builds a run).
+
+    A claim reads a row per job; ``__init__`` walked every field and sent
+    ``pre_init``/``post_init`` for each. The scheduler's own models set nothing
+    in ``__init__`` and have no field whose descriptor does; a field not read
+    is deferred, as ``from_db`` leaves it (absent from the instance's dict).
+    """
+    instance = model.__new__(model)
+    state = ModelState()
+    state.adding = False
+    state.db = db
+    instance._state = state
+    instance.__dict__.update(zip(names, values, strict=True))
+    return instance
 
 
 def compile_expression(connection: Any, expression: Any) -> tuple[str, list[Any]]:
@@ -308,36 +326,37 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
     db = alias()
     connection = connections[db]
     fields = [f for f in Run._meta.concrete_fields if not f.primary_key]
-    compiled: dict[int, tuple[str, list[Any]]] = {}
-    prepared: dict[tuple[str, Any], Any] = {}
+    literal = _literal(connection)
+    pieces: dict[Any, tuple[str, list[Any]]] = {}  # SQL and parameters, by expression or plain value
     computed: set[str] = set()  # the fields some row sets to an expression
-    shapes: dict[tuple[int, ...], str] = {}  # each row's VALUES group, by where its expressions are
     groups: list[str] = []
     params: list[Any] = []
+    # Most columns hold the very same object in every row (the defaults, the owner, the
+    # database clock's expression): the previous row's piece is taken without a lookup.
+    last: list[tuple[Any, tuple[str, list[Any]]]] = [(_UNSET, ("", []))] * len(fields)
     for row in rows:
-        shape: list[int] = []  # per field: 0 for a value, else the id of its expression
-        for field in fields:
+        group: list[str] = []
+        for index, field in enumerate(fields):
             value = getattr(row, field.attname)
-            if type(value) not in _PLAIN and hasattr(value, "resolve_expression"):
+            before, piece = last[index]
+            if value is before:
+                pass
+            elif type(value) not in _PLAIN and hasattr(value, "resolve_expression"):
                 computed.add(field.attname)
-                key = id(value)
-                if key not in compiled:
-                    compiled[key] = compile_expression(connection, value)
-                params.extend(compiled[key][1])
-                shape.append(key)
-                continue
-            shape.append(0)
-            try:
-                params.append(prepared[(field.attname, value)])
-            except KeyError:
-                params.append(prepared.setdefault((field.attname, value), field.get_db_prep_save(value, connection)))
-            except TypeError:  # an unhashable value (JSON data): prepared each time
-                params.append(field.get_db_prep_save(value, connection))
-        known = tuple(shape)
-        marks = shapes.get(known)
-        if marks is None:
-            marks = shapes[known] = "(" + ", ".join(compiled[k][0] if k else "%s" for k in known) + ")"
-        groups.append(marks)
+                key: Any = id(value)
+                piece = pieces.get(key) or pieces.setdefault(key, compile_expression(connection, value))
+                last[index] = (value, piece)
+            else:
+                key = (field.attname, type(value), value)
+                try:
+                    piece = pieces.get(key) or pieces.setdefault(key, _plain(connection, field, value, literal))
+                except TypeError:  # an unhashable value (JSON data): prepared each time
+                    piece = _plain(connection, field, value, literal)
+                last[index] = (value, piece)
+            group.append(piece[0])
+            if piece[1]:
+                params.extend(piece[1])
+        groups.append("(" + ", ".join(group) + ")")
     statement = "{insert} {run} ({cols}) VALUES {values} {suffix}".format(
         insert=connection.ops.insert_statement(on_conflict=OnConflict.IGNORE),
         run=_name(connection, Run),
@@ -358,13 +377,20 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
         found = cursor.fetchall()
     converters = [_converters(connection, Run, field) for field in returned]
     converting = [(i, name, c) for i, (name, c) in enumerate(zip(_RETURNED, converters, strict=True)) if c[1]]
+    # The database's clock reads the same for every row of one statement: each distinct
+    # value is converted once (datetimes are immutable, so the rows may share them).
+    converted: dict[tuple[int, Any], Any] = {}
     sent = {(r.job, r.slot, r.attempt, r.manual): r for r in rows}
     texts: dict[int, str] = {}  # the JSON of each distinct data object sent
     stored = []
     for values in found:
         got = dict(zip(_RETURNED, values, strict=True))
         for index, name, functions in converting:
-            got[name] = _converted(values[index], functions, connection)
+            raw = values[index]
+            try:
+                got[name] = converted[(index, raw)]
+            except KeyError:
+                got[name] = converted[(index, raw)] = _converted(raw, functions, connection)
         row = sent[(got["job"], got["slot"], got["attempt"], got["manual"])]
         row.__dict__.update(got)
         if row.data is not None:
@@ -377,6 +403,39 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
     return stored
 
 
+def _literal(connection: Any) -> Callable[[Any], str] | None:
+    """Where the driver writes each parameter into the statement's text itself (MySQLdb), the way it does it.
+
+    MySQLdb sends no parameters: it escapes each one in Python, one call per
+    value, and formats them into the text. A claim's INSERT repeats most of
+    its values in every row (a hundred rows, twenty-odd columns), so the
+    values are escaped here as the driver would (its own ``literal()`` on the
+    same connection, so the same character set and SQL mode), once per
+    distinct value. None elsewhere: the values go as parameters.
+    """
+    if connection.vendor != "mysql":
+        return None
+    raw = connection.connection
+    literal, encoding = getattr(raw, "literal", None), getattr(raw, "encoding", None)
+    if literal is None or encoding is None:
+        return None
+
+    def text(value: Any) -> str:
+        # The statement is still formatted with the expressions' parameters: keep its % signs.
+        return literal(value).decode(encoding).replace("%", "%%")
+
+    return text
+
+
+def _plain(connection: Any, field: Any, value: Any, literal: Callable[[Any], str] | None) -> tuple[str, list[Any]]:
+    """A plain value of ``field``: a parameter, or written into the statement (see ``_literal``)."""
+    prepared = field.get_db_prep_save(value, connection)
+    if literal is None:
+        return "%s", [prepared]
+    return literal(prepared), []
+
+
+_UNSET = object()
 # Values that are never expressions (insert_runs asks the others whether they are).
 _PLAIN = frozenset({str, int, bool, float, type(None), datetime, dict, list})
 # What a claim's INSERT returns: what identifies a row, and the columns the database's clock sets.
