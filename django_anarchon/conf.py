@@ -7,6 +7,7 @@ because the parsed value is dropped whenever Django reports a settings change.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,7 +45,7 @@ class AnarchonSettings:
     history_retention: float | None
     max_attempts: int | None = 10
 
-    @property
+    @functools.cached_property  # read for every run held: worked out once
     def renew_every(self) -> float:
         """How often a runner renews its leases: a third of the TTL, and at least every poll.
 
@@ -53,13 +54,13 @@ class AnarchonSettings:
         """
         return min(self.lease_ttl / 3, max(self.poll_interval, 0.05))
 
-    @property
+    @functools.cached_property
     def heartbeat_every(self) -> float:
         """How often an instance says it lives (and measures the database clock): a third of the TTL,
         at least every poll, at most every 10 s. An instance silent for three of these counts as gone."""
         return min(10.0, max(self.lease_ttl / 3, self.poll_interval))
 
-    @property
+    @functools.cached_property
     def fence_after(self) -> float:
         """Seconds after a committed renewal at which a runner gives its runs up.
 

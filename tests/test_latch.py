@@ -45,3 +45,34 @@ def test_every_waiter_wakes_when_it_is_set_even_with_several_setters() -> None:
     assert errors == []
     assert woke == [True] * 20
     assert latch.wait(0) is True, "still set after the waiters passed the lock on"
+
+
+def test_a_waiter_and_a_setter_that_race_never_leave_the_waiter_blocked() -> None:
+    """The lock is made by the first waiter: a set() just before or after that still wakes it."""
+    slow: list[float] = []
+    for _ in range(500):
+        latch = Latch()
+        barrier = threading.Barrier(2)
+        woke: list[tuple[bool, float]] = []
+
+        def waiter(latch: Latch = latch, barrier: threading.Barrier = barrier, woke: list = woke) -> None:
+            barrier.wait()
+            started = time.monotonic()
+            woke.append((latch.wait(5), time.monotonic() - started))
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        barrier.wait()
+        latch.set()
+        thread.join(10)
+        [(ok, took)] = woke
+        assert ok
+        if took > 1:
+            slow.append(took)
+    assert slow == [], f"waiters blocked until their timeout although set: {slow}"
+
+
+def test_a_latch_set_before_anyone_waits_makes_no_lock() -> None:
+    latch = Latch()
+    latch.set()
+    assert latch.wait(0) is True and latch._lock is None
