@@ -286,9 +286,10 @@ class Runner:
             tidy_connections()
             return
         solo = self._executing == 1 and not job.is_async
-        wall, cpu, switches = time.monotonic(), time.thread_time(), _switches()
+        before = (time.monotonic(), time.thread_time(), _switches()) if solo else None
         error = self._call(active)
-        if solo:
+        if before is not None:
+            wall, cpu, switches = before
             self._learn(_calls_for(time.monotonic() - wall, time.thread_time() - cpu, switches, _switches()))
         tidy_connections()  # before this thread takes another run: no transaction left open
         self.table.returned(active)

@@ -21,7 +21,7 @@ from django.db import (
     connections,
     router,
 )
-from django.db.models import Max
+from django.db.models import Max, Model
 from django.db.models.base import ModelState
 
 from ..clock import sleep
@@ -29,6 +29,8 @@ from ..dbtime import DbNow
 from ..models import Run, Status
 from ..registry import Job
 from ..slots import Claim
+
+M = TypeVar("M", bound=Model)
 
 logger = logging.getLogger("django_anarchon")
 UTC = timezone.utc
@@ -72,21 +74,23 @@ def _run_defaults() -> dict[str, Any]:
     return {f.attname: f.get_default() for f in Run._meta.concrete_fields}
 
 
-def built_run(values: dict[str, Any], db: str | None = None) -> Run:
-    """A run from the value of every column by attribute name: read from ``db``, or not saved (None).
+def built(model: type[M], values: Iterable[tuple[str, Any]] | dict[str, Any], db: str | None = None) -> M:
+    """An instance of ``model`` from column values by attribute name: read from ``db``, or not saved (None).
 
     Set as ``Model.from_db`` sets them, without ``Model.__init__``, which walks
     every field for keyword arguments and sends ``pre_init``/``post_init``: a
-    claim builds one row per slot, and that was most of its client side. Run has
-    no field whose descriptor sets anything (no file, no relation).
+    claim builds a row per slot and reads one per job, and that was most of its
+    client side. Only for the scheduler's own models: none sets anything in
+    ``__init__`` or has a field whose descriptor does (no file, no relation). A
+    field left out is deferred, as ``from_db`` leaves it (absent from the dict).
     """
-    run = Run.__new__(Run)
+    instance = model.__new__(model)
     state = ModelState()
     state.adding = db is None
     state.db = db
-    run._state = state
-    run.__dict__.update(values)
-    return run
+    instance._state = state
+    instance.__dict__.update(values)
+    return instance
 
 
 def first_attempt(
@@ -108,7 +112,7 @@ def first_attempt(
         data=data,
     )
     values.update(fields)
-    return built_run(values, db)
+    return built(Run, values, db)
 
 
 @dataclass

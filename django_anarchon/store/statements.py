@@ -25,14 +25,13 @@ from django.db import ProgrammingError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import DateTimeField, ExpressionWrapper, Model
-from django.db.models.base import ModelState
 from django.db.models.constants import OnConflict
 from django.db.models.sql import Query
 
 from ..dbtime import DbNow, db_in
 from ..models import Instance, JobState, Reason, Run, Status
 from ..slots import Claim
-from .base import UTC, Outcome, _resolved_data, _vendor, alias, first_attempt, logger
+from .base import UTC, Outcome, _resolved_data, _vendor, alias, built, first_attempt, logger
 from .schema import CLAIM_FUNCTION
 
 _ACTIVE = (Status.RUNNING, Status.PENDING)
@@ -126,25 +125,8 @@ def _read(model: type[M], sql: str, params: Sequence[Any], only: Sequence[str] =
         values = list(row)
         for index, converters in converting:
             values[index] = _converted(values[index], converters, connection)
-        found.append(_instance(model, db, names, values))
+        found.append(built(model, zip(names, values, strict=True), db))
     return found
-
-
-def _instance(model: type[M], db: str, names: list[str], values: list[Any]) -> M:
-    """``model.from_db(db, names, values)`` without ``Model.__init__`` (as :func:`base.built_run` builds a run).
-
-    A claim reads a row per job; ``__init__`` walked every field and sent
-    ``pre_init``/``post_init`` for each. The scheduler's own models set nothing
-    in ``__init__`` and have no field whose descriptor does; a field not read
-    is deferred, as ``from_db`` leaves it (absent from the instance's dict).
-    """
-    instance = model.__new__(model)
-    state = ModelState()
-    state.adding = False
-    state.db = db
-    instance._state = state
-    instance.__dict__.update(zip(names, values, strict=True))
-    return instance
 
 
 def compile_expression(connection: Any, expression: Any) -> tuple[str, list[Any]]:
