@@ -259,14 +259,16 @@ class Engine:
 
     def _turn(self, next_poll: float, next_house: float) -> tuple[float, float]:
         """One turn of the loop; returns when the next poll and housekeeping are due."""
+        self.table.fence_overdue()
+        # After a failed turn the back-off comes before any query: a query that failed
+        # before the wait would make the turn after the database's return a failed one.
+        if self.trouble.backoff:
+            if self._stopping.wait(self.trouble.backoff):
+                return next_poll, next_house
         # Once per connection: a frozen claim holds job locks for about a lease at most.
         self.trouble.call(store.limit_idle_transactions, self.settings.lease_ttl)
         self.queue.claim_ahead_ms = draw_claim_ahead(self.claim_ms, random.uniform(0.0, 20.0))  # noqa: S311
         self._follow_clock_steps()
-        self.table.fence_overdue()
-        if self.trouble.backoff:
-            if self._stopping.wait(self.trouble.backoff):
-                return next_poll, next_house
         # At capacity, due slots wait here (not in the database) until a handler
         # returns and wakes the loop; other instances may take them meanwhile.
         room = self.capacity() > 0

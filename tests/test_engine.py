@@ -500,6 +500,46 @@ def test_database_errors_in_the_loop_are_survived(
     assert "Database is back" in caplog.text
 
 
+def test_the_loop_is_back_at_its_next_turn_once_the_database_returns(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database returns while the loop backs off: the turn after that wait is a good one.
+
+    A query the loop sent before its back-off wait failed, and the database came
+    back during the wait: that failure must not make the turn after the wait count
+    as failed (twice the back-off again, the loop idle for up to six more seconds).
+    """
+    real = store.limit_idle_transactions
+    down = threading.Event()
+    flipped: dict[str, float] = {}
+
+    def come_back() -> None:
+        flipped["backoff"] = running_engine(sched).trouble.backoff
+        flipped["at"] = time.time()
+        down.clear()
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        if not down.is_set():
+            return real(*args, **kwargs)
+        if running_engine(sched).trouble.backoff >= 0.4 and "timer" not in flipped:
+            flipped["timer"] = 1.0
+            threading.Timer(0.2, come_back).start()
+        raise OperationalError("Lost connection to server during query")
+
+    monkeypatch.setattr(store, "limit_idle_transactions", refused)
+    sched.every("tick", "200ms", lambda ctx: None)
+    start(sched)
+    down.set()
+    wait_for(lambda: "at" in flipped, 10, what="the database to come back")
+    back = wait_for(
+        lambda: [r for r in caplog.records if r.getMessage().startswith("Database is back")], 10, what="the back line"
+    )
+    took = back[0].created - flipped["at"]
+    # The wait under way when the database returned, then one turn: not another, doubled, wait.
+    assert took < flipped["backoff"] + 0.3, (took, flipped)
+    assert caplog.text.count("Database error") == 1
+
+
 def test_start_refuses_settings_that_break_the_guarantees(sched: Scheduler) -> None:
     from django_anarchon import SettingsError
 
