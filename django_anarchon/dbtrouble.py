@@ -33,6 +33,17 @@ FAILED: Any = _Failed()
 MAX_BACKOFF_S = 2.0
 
 
+# How many database errors the scheduler's own threads have met in this process. A
+# worker keeps its connections between runs; when this has changed since its last run,
+# they may have died with the same outage, and it opens new ones (workers.py).
+_errors_seen = 0
+
+
+def errors_seen() -> int:
+    """The number of database errors the scheduler's threads have met so far (it only grows)."""
+    return _errors_seen
+
+
 def reset_connection(alias: str) -> None:
     """Drop this thread's connection to ``alias`` so that the next query reconnects."""
     connection = connections[alias]
@@ -63,6 +74,8 @@ class DbTrouble:
 
     def failed(self, error: BaseException) -> None:
         """A database error: drop the connection, and log it if it starts an outage."""
+        global _errors_seen
+        _errors_seen += 1
         reset_connection(self._alias())
         self._failed_this_turn = True
         if self.down_since is None:

@@ -16,10 +16,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db import connections
 from django.db.backends.signals import connection_created
+
+from .dbtrouble import errors_seen
 
 if TYPE_CHECKING:
     from .runs import ActiveRun
@@ -85,26 +87,47 @@ def tidy_connections() -> None:
                 connection.close()
                 continue
         except Exception:  # a connection that cannot even say its state is not worth keeping
-            try:
-                connection.close()
-            except Exception:
-                connection.connection = None
+            _close(connection)
 
 
 def check_idle_connections() -> None:
-    """Before a run, on its worker thread: after ``HEALTH_CHECK_IDLE_S`` without a run, check its connections.
+    """Before a run, on its worker thread: drop connections an outage may have killed; check idle ones.
 
-    Where ``CONN_HEALTH_CHECKS`` is on, the run's first query on each kept
+    When the scheduler's own threads have met a database error since this
+    worker's last run (a restart, a failover, a network cut), the connections
+    it kept are closed: they most likely died with the same outage, and the
+    run's first query would fail on them. The next query connects afresh.
+
+    Otherwise, where ``CONN_HEALTH_CHECKS`` is on and the worker has been idle
+    ``HEALTH_CHECK_IDLE_S`` or more, the run's first query on each kept
     connection pings it first (and reconnects if it died), as Django does at
     the start of a request; a worker that ran something less than
     ``HEALTH_CHECK_IDLE_S`` ago uses its connections as they are.
     """
+    errors = errors_seen()
+    seen = getattr(_opened, "errors_seen", errors)
+    _opened.errors_seen = errors
     idle_since = getattr(_opened, "idle_since", None)
-    if idle_since is None or time.monotonic() - idle_since < HEALTH_CHECK_IDLE_S:
+    if idle_since is None:
+        return  # this thread's first run: it has kept nothing yet
+    if errors != seen:
+        for connection in _opened.wrappers:
+            if connection.connection is not None:
+                _close(connection)
+        return
+    if time.monotonic() - idle_since < HEALTH_CHECK_IDLE_S:
         return
     for connection in _opened.wrappers:
         if connection.connection is not None:
             connection.health_check_done = False  # type: ignore[attr-defined]
+
+
+def _close(connection: Any) -> None:
+    """Close ``connection``; one that cannot even close cleanly is dropped (the next query reconnects)."""
+    try:
+        connection.close()
+    except Exception:
+        connection.connection = None
 
 
 class Workers:

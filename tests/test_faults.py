@@ -20,6 +20,7 @@ import sqlite3
 import subprocess
 import time
 from collections import Counter, defaultdict
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,10 @@ def percentiles(values: list[float]) -> dict[str, float]:
         "p99_ms": round(pick(0.99) * 1000, 1),
         "max_ms": round(ordered[-1] * 1000, 1),
     }
+
+
+def _utc(moment: float) -> datetime:
+    return datetime.fromtimestamp(moment, tz=UTC)
 
 
 def request_run(job: str) -> Run:
@@ -405,6 +410,31 @@ def test_database_outage_instances_survive_fence_and_carry_on(cluster: Cluster, 
             "instances_survived": 3,
         },
     )
+
+
+def test_handlers_that_query_succeed_once_the_database_is_back(cluster: Cluster) -> None:
+    """A worker keeps its connection between runs; one the restart killed must not fail the next run.
+
+    The handler writes a row with the ORM and lets any error propagate (no
+    events folder): a run that finds its worker's connection dead is recorded
+    ``failed``. Two instances, a job every second: after the outage, every run
+    that starts once the server answers again succeeds.
+    """
+    cluster.jobs = [{"name": "tick", "every": "1s", "kind": "record"}]
+    nodes = [cluster.start(f"w{i}") for i in range(2)]
+    cluster.wait_ready(*nodes)
+    wait_for(lambda: Run.objects.filter(job="tick", status="success").count() >= 3, 15, what="three runs")
+    connection.close()
+    down, back = _db_down(2.0)
+    connection.close()
+    wait_for(
+        lambda: Run.objects.filter(job="tick", status="success", started_at__gt=_utc(back)).count() >= 4,
+        20,
+        what="four successful runs after the database came back",
+    )
+    failed = list(Run.objects.filter(job="tick", status="failed").values_list("slot", "error_type", "error_message"))
+    assert not failed, (failed, cluster.logs())
+    report("handlers_after_outage", {"outage_s": round(back - down, 1), "failed_runs": 0})
 
 
 def test_an_instance_started_during_an_outage_waits_and_then_runs(cluster: Cluster, events: Path) -> None:

@@ -190,6 +190,63 @@ def _kill_server_side(raw_pid: int) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_after_a_database_error_in_the_scheduler_a_worker_drops_the_connections_it_kept() -> None:
+    """Without health checks: an outage the scheduler met may have killed them, and the next run would fail on one."""
+    from django.db import OperationalError, connection, connections
+
+    from django_anarchon.dbtrouble import DbTrouble
+
+    seen: dict[str, Any] = {}
+
+    def refused() -> None:
+        raise OperationalError("server closed the connection unexpectedly")
+
+    def worker_thread() -> None:
+        try:
+            connection.ensure_connection()
+            kept = connection.connection
+            tidy_connections()  # the end of a run
+            check_idle_connections()  # the next run, at once, nothing happened meanwhile
+            seen["kept"] = connection.connection is kept
+            pid = None
+            if connection.vendor != "sqlite":
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT pg_backend_pid()" if connection.vendor == "postgresql" else "SELECT CONNECTION_ID()"
+                    )
+                    pid = cursor.fetchone()[0]
+            tidy_connections()  # the end of that run; then the server restarts ...
+            if pid is not None:
+                _kill_server_side(pid)
+                time.sleep(0.2)
+            # ... and a scheduler thread (on its own connection) meets the outage
+            loop = DbTrouble("the scheduler loop", "i1", lambda: "default")
+            outside = threading.Thread(target=lambda: loop.call(refused))
+            outside.start()
+            outside.join(10)
+            check_idle_connections()  # the next run on this worker
+            seen["dropped"] = connection.connection is None
+            with connection.cursor() as cursor:  # its first query connects afresh
+                cursor.execute("SELECT 1")
+                seen["answer"] = cursor.fetchone()[0]
+            tidy_connections()
+            reopened = connection.connection
+            check_idle_connections()  # no error since: kept again
+            seen["kept_again"] = connection.connection is reopened
+        except Exception as error:
+            seen["error"] = error
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=worker_thread)
+    thread.start()
+    thread.join(20)
+    assert "error" not in seen, seen.get("error")
+    assert seen["kept"] and seen["kept_again"], "no database error meanwhile: the connection is reused"
+    assert seen["dropped"] and seen["answer"] == 1, "after the scheduler's database error: dropped, then reconnected"
+
+
+@pytest.mark.django_db(transaction=True)
 def test_with_health_checks_a_worker_idle_a_while_checks_its_connection_and_a_busy_one_does_not() -> None:
     """CONN_HEALTH_CHECKS: checked before a run after HEALTH_CHECK_IDLE_S idle, so a dropped connection is replaced."""
     from django.db import connection, connections
