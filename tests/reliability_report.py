@@ -99,6 +99,15 @@ ROWS: list[tuple[str, str, str, Any]] = [
         ),
     ),
     (
+        "Database restart, handlers that query",
+        "stop the server (SQLite: hold its write lock) for 2 s under 2 instances, a job writing a row every second",
+        "handlers_after_outage",
+        lambda f: (
+            f"{f['outage_s']} s until the server was back; runs after it that failed on a connection the "
+            f"restart had killed: {f['failed_runs']}"
+        ),
+    ),
+    (
         "Clock skew, ahead",
         "one of 3 instances with its clock 6 s ahead (libfaketime)",
         "clock_skew_ahead",
