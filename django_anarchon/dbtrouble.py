@@ -46,7 +46,11 @@ def errors_seen() -> int:
 
 def reset_connection(alias: str) -> None:
     """Drop this thread's connection to ``alias`` so that the next query reconnects."""
-    connection = connections[alias]
+    drop_connection(connections[alias])
+
+
+def drop_connection(connection: Any) -> None:
+    """Close ``connection`` (a Django wrapper); one that cannot close cleanly is let go (the next query reconnects)."""
     try:
         connection.close()
     except Exception:

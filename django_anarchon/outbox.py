@@ -19,7 +19,7 @@ from django.db import connections
 from django.dispatch import Signal
 
 from . import signals
-from .workers import check_idle_connections, tidy_connections
+from .workers import check_kept_connections, tidy_connections
 
 logger = logging.getLogger("django_anarchon")
 
@@ -53,7 +53,7 @@ class Outbox:
             while (item := self._queue.get()) is not None:
                 signal, kwargs = item
                 try:
-                    check_idle_connections()  # the receivers' connections, kept between signals
+                    check_kept_connections()  # the receivers' connections, kept between signals
                     signals.send(signal, **kwargs)  # robust: a failing receiver is logged
                     tidy_connections()
                 except Exception:  # pragma: no cover - signals.send() catches what receivers raise

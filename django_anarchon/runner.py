@@ -22,7 +22,7 @@ from .context import Context
 from .models import Reason
 from .runs import ActiveRun, Phase, RunTable, log_fields
 from .taskjobs import TaskArguments
-from .workers import CLOCK_RECHECK_S, Starter, Workers, check_idle_connections, tidy_connections
+from .workers import CLOCK_RECHECK_S, Starter, Workers, check_kept_connections, tidy_connections
 
 logger = logging.getLogger("django_anarchon")
 # Runs released together are started by one worker first, not by a worker each: sixteen threads
@@ -279,7 +279,7 @@ class Runner:
                 extra=log_fields(run, self.instance_id),
             )
         job = active.job
-        check_idle_connections()
+        check_kept_connections()
         if job.task is not None:
             arguments = job.task_arguments or TaskArguments(data=False)
             self.table.finish_enqueued(active, lambda: taskjobs.enqueue(job.task, arguments, run.slot, run.data))

@@ -16,12 +16,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from django.db import connections
 from django.db.backends.signals import connection_created
 
-from .dbtrouble import errors_seen
+from .dbtrouble import drop_connection, errors_seen
 
 if TYPE_CHECKING:
     from .runs import ActiveRun
@@ -64,7 +64,7 @@ def tidy_connections() -> None:
     default, meant for a connection per request): a scheduler has at most
     ``MAX_WORKERS`` worker threads, each keeping one connection per database
     for as long as it lives (threads idle for a minute leave, and close theirs).
-    With ``CONN_HEALTH_CHECKS``, see :func:`check_idle_connections`.
+    With ``CONN_HEALTH_CHECKS``, see :func:`check_kept_connections`.
     """
     if getattr(_opened, "new", True):  # this thread's first run, or it opened a connection since the last
         _opened.new = False
@@ -87,10 +87,10 @@ def tidy_connections() -> None:
                 connection.close()
                 continue
         except Exception:  # a connection that cannot even say its state is not worth keeping
-            _close(connection)
+            drop_connection(connection)
 
 
-def check_idle_connections() -> None:
+def check_kept_connections() -> None:
     """Before a run, on its worker thread: drop connections an outage may have killed; check idle ones.
 
     When the scheduler's own threads have met a database error since this
@@ -113,21 +113,13 @@ def check_idle_connections() -> None:
     if errors != seen:
         for connection in _opened.wrappers:
             if connection.connection is not None:
-                _close(connection)
+                drop_connection(connection)
         return
     if time.monotonic() - idle_since < HEALTH_CHECK_IDLE_S:
         return
     for connection in _opened.wrappers:
         if connection.connection is not None:
             connection.health_check_done = False  # type: ignore[attr-defined]
-
-
-def _close(connection: Any) -> None:
-    """Close ``connection``; one that cannot even close cleanly is dropped (the next query reconnects)."""
-    try:
-        connection.close()
-    except Exception:
-        connection.connection = None
 
 
 class Workers:
@@ -314,4 +306,4 @@ class Starter:
                     logger.exception("Internal error while starting %r", active.run.job, extra={"job": active.run.job})
 
 
-__all__ = ["CLOCK_RECHECK_S", "HEALTH_CHECK_IDLE_S", "Starter", "Workers", "check_idle_connections", "tidy_connections"]
+__all__ = ["CLOCK_RECHECK_S", "HEALTH_CHECK_IDLE_S", "Starter", "Workers", "check_kept_connections", "tidy_connections"]

@@ -16,7 +16,7 @@ from django.db import transaction
 
 from django_anarchon import workers as workers_module
 from django_anarchon.runs import ActiveRun
-from django_anarchon.workers import Starter, Workers, check_idle_connections, tidy_connections
+from django_anarchon.workers import Starter, Workers, check_kept_connections, tidy_connections
 from tests.conftest import start, wait_for
 
 
@@ -206,7 +206,7 @@ def test_after_a_database_error_in_the_scheduler_a_worker_drops_the_connections_
             connection.ensure_connection()
             kept = connection.connection
             tidy_connections()  # the end of a run
-            check_idle_connections()  # the next run, at once, nothing happened meanwhile
+            check_kept_connections()  # the next run, at once, nothing happened meanwhile
             seen["kept"] = connection.connection is kept
             pid = None
             if connection.vendor != "sqlite":
@@ -224,14 +224,14 @@ def test_after_a_database_error_in_the_scheduler_a_worker_drops_the_connections_
             outside = threading.Thread(target=lambda: loop.call(refused))
             outside.start()
             outside.join(10)
-            check_idle_connections()  # the next run on this worker
+            check_kept_connections()  # the next run on this worker
             seen["dropped"] = connection.connection is None
             with connection.cursor() as cursor:  # its first query connects afresh
                 cursor.execute("SELECT 1")
                 seen["answer"] = cursor.fetchone()[0]
             tidy_connections()
             reopened = connection.connection
-            check_idle_connections()  # no error since: kept again
+            check_kept_connections()  # no error since: kept again
             seen["kept_again"] = connection.connection is reopened
         except Exception as error:
             seen["error"] = error
@@ -257,7 +257,7 @@ def test_with_health_checks_a_worker_idle_a_while_checks_its_connection_and_a_bu
         try:
             connection.ensure_connection()
             tidy_connections()  # the end of a run
-            check_idle_connections()  # the next run, at once
+            check_kept_connections()  # the next run, at once
             seen["busy_checks"] = connection.health_check_done is False
             if connection.vendor != "sqlite":
                 with connection.cursor() as cursor:
@@ -269,7 +269,7 @@ def test_with_health_checks_a_worker_idle_a_while_checks_its_connection_and_a_bu
                 _kill_server_side(pid)
                 time.sleep(0.2)
             workers_module._opened.idle_since -= workers_module.HEALTH_CHECK_IDLE_S  # as if idle that long
-            check_idle_connections()
+            check_kept_connections()
             seen["idle_checks"] = connection.health_check_done is False
             with connection.cursor() as cursor:  # the run's first query: pinged first, reconnected if dead
                 cursor.execute("SELECT 1")
