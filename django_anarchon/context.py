@@ -68,6 +68,18 @@ class Context:
         await loop.run_in_executor(None, self.save_progress, value)
 
 
+def make_context(**fields: Any) -> Context:
+    """A :class:`Context` of every field, built without the frozen dataclass's ``__init__``.
+
+    That ``__init__`` sets each field through ``object.__setattr__``, on every
+    run. For the scheduler's own use: every field must be given (a test holds
+    the runner to it).
+    """
+    ctx = object.__new__(Context)
+    ctx.__dict__.update(fields)
+    return ctx
+
+
 def _event_loop_running() -> bool:
     try:
         asyncio.get_running_loop()

@@ -375,8 +375,23 @@ class Engine:
         self.table.interrupted_elsewhere(outcome.interrupted)
         self.table.skipped(outcome.skipped)
         self.table.missed(outcome.missed)
-        for row in outcome.won:
-            self.adopt(row, sent)
+        if outcome.won:
+            self.adopt_all(outcome.won, sent)
+
+    def adopt_all(self, runs: list[Run], sent: float) -> None:
+        """Start executing the runs a claim has just won, as :meth:`adopt` does each, in one go.
+
+        A claim wins a hundred runs at once: the run table, the keeper and the
+        starter take them together, each once rather than once per run.
+        """
+        if time.monotonic() - sent > self.settings.fence_after / 2:
+            for run in runs:
+                self.adopt(run, sent)  # renewed first, one by one (see adopt)
+            return
+        actives = [ActiveRun(run, self.jobs[run.job], renewed_at=sent) for run in runs]
+        self.table.add_many(actives)
+        self.keeper.held(actives[0])  # every one of them was claimed (and renewed) at ``sent``
+        self.runner.start_many(actives)
 
     def adopt(self, run: Run, sent: float) -> ActiveRun | None:
         """Start executing a run this process has just won (claimed at monotonic ``sent``).

@@ -1,7 +1,9 @@
 """Prometheus metrics, with the optional extra ``django-anarchon[prometheus]`` (``prometheus-client``).
 
-The scheduler's parts count what they do here; without ``prometheus-client`` every
-metric is a no-op. Everything goes to prometheus-client's default registry: a
+The scheduler's parts count what they do here (in plain numbers, handed to
+prometheus-client at each scrape: see :class:`_Family`); without
+``prometheus-client`` every metric is a no-op. Everything goes to
+prometheus-client's default registry: a
 ``manage.py anarchon --metrics-port 9464`` process serves it itself, and a web
 process exposes it through whatever already serves that registry
 (``prometheus_client.make_wsgi_app()``, django-prometheus). The cluster-wide
@@ -26,8 +28,11 @@ the database at each scrape, so any process can report them.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +40,8 @@ logger = logging.getLogger("django_anarchon")
 
 try:
     import prometheus_client
-    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.utils import floatToGoString
 except ImportError:  # the extra is not installed: every metric is a no-op
     prometheus_client = None  # type: ignore[assignment]
 
@@ -53,55 +59,140 @@ class _Noop:
     def observe(self, amount: float) -> None:
         pass
 
-    def set(self, value: float) -> None:
-        pass
+    def get(self) -> float:
+        return 0.0
 
 
-class _Children:
-    """A labelled metric whose children are looked up once per label values.
+# Every count below is changed under this one lock: a few additions each, so it is never held long.
+_LOCK = threading.Lock()
 
-    prometheus-client's ``labels()`` checks the names and takes the metric's lock
-    on every call; a run ends with three of them. The children live as long as
-    the metric does (nothing here removes one), so keeping them is safe.
+
+class _Count:
+    """One labelled counter's value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError(f"Counters only go up; {amount} was added")
+        with _LOCK:
+            self.value += amount
+
+    def get(self) -> float:
+        return self.value
+
+
+class _Spread:
+    """One labelled histogram's buckets (not cumulative: each observation lands in one), sum and count."""
+
+    __slots__ = ("bounds", "buckets", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.buckets = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, amount: float) -> None:
+        index = bisect.bisect_left(self.bounds, amount)  # the first bound >= amount ("le")
+        with _LOCK:
+            self.buckets[index] += 1
+            self.total += amount
+
+    def get(self) -> float:
+        return float(sum(self.buckets))
+
+
+class _Family:
+    """A labelled counter or histogram, counted here and handed to prometheus-client at each scrape.
+
+    prometheus-client's own metrics take a lock for each value they change and
+    walk a histogram's buckets in Python: a run's three observations cost more
+    than a micro-second each. Here an observation is one addition or two under
+    a lock; the exposition (names, ``_total``, ``_bucket``, ``_sum``,
+    ``_count``) is prometheus-client's, built from these figures by
+    :class:`_Collector`.
     """
 
-    def __init__(self, metric: Any) -> None:
-        self._metric = metric
+    def __init__(self, kind: str, name: str, documentation: str, labels: tuple[str, ...], buckets: Any = None):
+        self.kind = kind
+        self.name = name
+        self.documentation = documentation
+        self.label_names = list(labels)
+        self.bounds = tuple(buckets) if buckets is not None else ()
         self._children: dict[tuple[str, ...], Any] = {}
 
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self._metric.labels(*values)
+            if len(values) != len(self.label_names):
+                raise ValueError(f"{self.name} takes the labels {self.label_names}, not {values!r}")
+            with _LOCK:
+                child = self._children.get(values)
+                if child is None:
+                    child = _Spread(self.bounds) if self.kind == "histogram" else _Count()
+                    self._children = {**self._children, values: child}  # readers see a whole dict
         return child
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._metric, name)
+    def family(self) -> Any:
+        if self.kind == "counter":
+            counter = CounterMetricFamily(self.name, self.documentation, labels=self.label_names)
+            for values, count in self._children.items():
+                counter.add_metric(list(values), count.value)
+            return counter
+        histogram = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
+        for values, spread in self._children.items():
+            with _LOCK:
+                buckets, total = list(spread.buckets), spread.total
+            cumulative = list(itertools.accumulate(buckets))
+            bounds = [floatToGoString(bound) for bound in spread.bounds] + ["+Inf"]
+            histogram.add_metric(list(values), list(zip(bounds, cumulative, strict=True)), total)
+        return histogram
 
 
-def _metric(kind: str, name: str, documentation: str, labels: tuple[str, ...] = (), **kwargs: Any) -> Any:
+_FAMILIES: list[_Family] = []
+
+
+class _Collector:
+    """The per-instance counters and histograms, for prometheus-client's registry."""
+
+    def describe(self) -> Iterator[Any]:
+        for family in _FAMILIES:
+            yield (CounterMetricFamily if family.kind == "counter" else HistogramMetricFamily)(
+                family.name, family.documentation, labels=family.label_names
+            )
+
+    def collect(self) -> Iterator[Any]:
+        for family in _FAMILIES:
+            yield family.family()
+
+
+def _metric(kind: str, name: str, documentation: str, labels: tuple[str, ...], **kwargs: Any) -> Any:
     if prometheus_client is None:
         return _Noop()
-    metric = getattr(prometheus_client, kind)(name, documentation, labels, **kwargs)
-    return _Children(metric) if labels else metric
+    family = _Family(kind, name, documentation, labels, **kwargs)
+    _FAMILIES.append(family)
+    return family
 
 
-RUNS = _metric("Counter", "anarchon_runs", "Run attempts ended on this instance, by status.", ("job", "status"))
+RUNS = _metric("counter", "anarchon_runs", "Run attempts ended on this instance, by status.", ("job", "status"))
 LATENESS = _metric(
-    "Histogram", "anarchon_run_lateness_seconds", "From the slot to the handler's start.", ("job",),
+    "histogram", "anarchon_run_lateness_seconds", "From the slot to the handler's start.", ("job",),
     buckets=LATENESS_BUCKETS,
 )  # fmt: skip
 DURATION = _metric(
-    "Histogram", "anarchon_run_duration_seconds", "From the handler's start to its end.", ("job",),
+    "histogram", "anarchon_run_duration_seconds", "From the handler's start to its end.", ("job",),
     buckets=DURATION_BUCKETS,
 )  # fmt: skip
-SKIPPED = _metric("Counter", "anarchon_slots_skipped", "Slots recorded skipped, by reason.", ("job", "reason"))
-MISSED = _metric("Counter", "anarchon_slots_missed", "Slots nobody ran while the whole cluster was down.", ("job",))
-TAKEOVERS = _metric("Counter", "anarchon_takeovers", "Expired leases this instance took over.", ("job",))
-HAND_OVERS = _metric("Counter", "anarchon_hand_overs", "Runs this instance handed over when it stopped.", ("job",))
-FENCINGS = _metric("Counter", "anarchon_fencings", "Runs given up because no renewal came in time.", ("job",))
-RENEWALS = _metric("Counter", "anarchon_lease_renewals", "Lease renewal statements, by result.", ("result",))
-CLAIMS = _metric("Counter", "anarchon_claims", "Slots this instance claimed, by result.", ("result",))
+SKIPPED = _metric("counter", "anarchon_slots_skipped", "Slots recorded skipped, by reason.", ("job", "reason"))
+MISSED = _metric("counter", "anarchon_slots_missed", "Slots nobody ran while the whole cluster was down.", ("job",))
+TAKEOVERS = _metric("counter", "anarchon_takeovers", "Expired leases this instance took over.", ("job",))
+HAND_OVERS = _metric("counter", "anarchon_hand_overs", "Runs this instance handed over when it stopped.", ("job",))
+FENCINGS = _metric("counter", "anarchon_fencings", "Runs given up because no renewal came in time.", ("job",))
+RENEWALS = _metric("counter", "anarchon_lease_renewals", "Lease renewal statements, by result.", ("result",))
+CLAIMS = _metric("counter", "anarchon_claims", "Slots this instance claimed, by result.", ("result",))
 
 _MISSED_COUNT = re.compile(r"^(\d+) slot")
 
@@ -172,6 +263,7 @@ class ClusterCollector:
 
 
 if prometheus_client is not None:
+    prometheus_client.REGISTRY.register(_Collector())
     prometheus_client.REGISTRY.register(ClusterCollector())
 
 

@@ -18,7 +18,7 @@ from django.db import connections
 from . import metrics, signals, store, taskjobs
 from .clock import Clock
 from .conf import check_json
-from .context import Context
+from .context import Context, make_context
 from .models import Reason
 from .runs import ActiveRun, Phase, RunTable, log_fields
 from .taskjobs import TaskArguments
@@ -37,8 +37,12 @@ STALL_S = 0.001
 STUCK_S = 0.005
 # How long to wait before trying again when no worker thread could be started.
 RETRY_S = 0.1
-# How the learnt fan-out follows each solo run (a moving average).
+# How the learnt fan-out follows each solo run it learns from (a moving average).
 FANOUT_WEIGHT = 0.2
+# Learn from one solo run in this long at most: timing a call reads the thread's CPU time and its
+# switch counts before and after it (four system calls, more than the rest of a quick run costs
+# its worker), and a moving average needs a sample now and then, not one per run.
+LEARN_EVERY_S = 0.05
 
 
 try:
@@ -135,6 +139,7 @@ class Runner:
         self._fanout: float | None = None  # workers a burst calls for, learnt from solo runs (see STALL_S)
         self._taken_at = 0.0  # monotonic time a worker last took a run
         self._retry_at = 0.0  # no worker could be started: not before this monotonic time again
+        self._learn_at = 0.0  # monotonic time from which a solo run is timed to learn from (LEARN_EVERY_S)
 
     def start(self, active: ActiveRun) -> None:
         """Execute ``active`` on a worker: at once, or at its slot if it was claimed ahead."""
@@ -142,6 +147,17 @@ class Runner:
             self.starter.add(active)
         else:
             self._hand_on(active)
+
+    def start_many(self, actives: list[ActiveRun]) -> None:
+        """:meth:`start` each of ``actives``: those claimed ahead go to the starter together."""
+        now = self.clock.now_ms()
+        ahead = [active for active in actives if active.run.slot > now]
+        if ahead:
+            self.starter.add_many(ahead)
+        if len(ahead) < len(actives):
+            for active in actives:
+                if active.run.slot <= now:
+                    self._hand_on(active)
 
     def waiting(self) -> int:
         """How many released runs wait for a free worker."""
@@ -285,8 +301,10 @@ class Runner:
             self.table.finish_enqueued(active, lambda: taskjobs.enqueue(job.task, arguments, run.slot, run.data))
             tidy_connections()
             return
-        solo = self._executing == 1 and not job.is_async
-        before = (time.monotonic(), time.thread_time(), _switches()) if solo else None
+        before = None
+        if self._executing == 1 and not job.is_async and active.started >= self._learn_at:
+            self._learn_at = active.started + LEARN_EVERY_S
+            before = (time.monotonic(), time.thread_time(), _switches())
         error = self._call(active)
         if before is not None:
             wall, cpu, switches = before
@@ -316,7 +334,7 @@ class Runner:
                 active.signal.throw_if_aborted()
             active.renewed_at = max(active.renewed_at, sent)
 
-        return Context(
+        return make_context(
             name=run.job,
             slot=run.slot,
             scheduled_at=store.slot_datetime(run.slot),

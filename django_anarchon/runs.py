@@ -201,6 +201,10 @@ class RunTable:
         with self._lock:
             self._active[active.run.id] = active  # type: ignore[index]
 
+    def add_many(self, actives: list[ActiveRun]) -> None:
+        with self._lock:
+            self._active.update((active.run.id, active) for active in actives)  # type: ignore[misc]
+
     def get(self, run_id: int | None) -> ActiveRun | None:
         with self._lock:
             return self._active.get(run_id)  # type: ignore[arg-type]

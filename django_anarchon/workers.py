@@ -222,16 +222,27 @@ class Starter:
         self._thread: threading.Thread | None = None
 
     def add(self, active: ActiveRun) -> None:
-        entry = (active.run.slot, next(self._order), active)
+        self.add_many([active])
+
+    def add_many(self, actives: list[ActiveRun]) -> None:
+        """Release each of ``actives`` at its slot (or at once, should its signal abort first)."""
+        entries = [(active.run.slot, next(self._order), active) for active in actives]
         with self._changed:
             # Only a run due sooner than every waiting one changes when the thread must wake:
             # waking it for each of a hundred runs of one instant took the GIL a hundred times.
-            sooner = not self._waiting or entry[0] < self._waiting[0][0]
-            heapq.heappush(self._waiting, entry)
+            soonest = min(entry[0] for entry in entries)
+            sooner = not self._waiting or soonest < self._waiting[0][0]
+            if len(entries) > len(self._waiting):
+                self._waiting.extend(entries)
+                heapq.heapify(self._waiting)
+            else:
+                for entry in entries:
+                    heapq.heappush(self._waiting, entry)
             self._ensure_thread()
             if sooner:
                 self._changed.notify()
-        active.signal.on_abort(self.wake)
+        for active in actives:
+            active.signal.on_abort(self.wake)
 
     def watch(self) -> None:
         """Call ``stalled`` soon, and again when it says, until it returns None."""

@@ -84,6 +84,32 @@ def test_skip_reasons_and_missed_counts_are_read_from_the_records() -> None:
     assert metrics.skip_reason("the job is paused") == "paused"
     assert metrics.skip_reason("cancelled by ann in the admin") == "cancelled"
     assert metrics.skip_reason("the previous run (slot …) was still running on a") == "busy"
-    before = metrics.MISSED.labels("m")._value.get()
+    before = metrics.MISSED.labels("m").get()
     metrics.missed("m", "4 slot(s) missed from … to … while no instance ran them; catch_up='latest'")
-    assert metrics.MISSED.labels("m")._value.get() == before + 4
+    assert metrics.MISSED.labels("m").get() == before + 4
+
+
+def test_counters_and_histograms_are_exposed_as_prometheus_client_would() -> None:
+    """Counted here, handed to prometheus-client's registry at the scrape: the usual names and buckets."""
+    from prometheus_client import generate_latest
+
+    for seconds in (0.004, 0.005, 0.2, 45.0, 100.0):
+        metrics.LATENESS.labels("exposed").observe(seconds)
+    metrics.RUNS.labels("exposed", "success").inc()
+    metrics.RUNS.labels("exposed", "success").inc(2)
+    text = generate_latest().decode()
+    assert "# TYPE anarchon_run_lateness_seconds histogram" in text
+    assert "# TYPE anarchon_runs_total counter" in text or "# TYPE anarchon_runs counter" in text
+    assert value(text, "anarchon_runs_total", job="exposed", status="success") == 3
+    buckets = {
+        le: value(text, "anarchon_run_lateness_seconds_bucket", job="exposed", le=le)
+        for le in ("0.005", "0.01", "0.25", "30.0", "60.0", "+Inf")
+    }
+    # cumulative, and a value equal to a bound counts in that bound's bucket ("le")
+    assert buckets == {"0.005": 2, "0.01": 2, "0.25": 3, "30.0": 3, "60.0": 4, "+Inf": 5}
+    assert value(text, "anarchon_run_lateness_seconds_count", job="exposed") == 5
+    assert value(text, "anarchon_run_lateness_seconds_sum", job="exposed") == pytest.approx(145.209)
+    with pytest.raises(ValueError, match="takes the labels"):
+        metrics.RUNS.labels("only-one")
+    with pytest.raises(ValueError, match="only go up"):
+        metrics.RUNS.labels("exposed", "success").inc(-1)

@@ -329,3 +329,23 @@ def test_a_learnt_fan_out_never_passes_max_workers_and_ignores_calls_that_say_no
     runner._learn(None)
     runner._learn(1.0)
     assert runner._fanout == pytest.approx(0.8 * 4 + 0.2 * 1)
+
+
+def test_a_handler_gets_a_context_of_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner builds contexts without the dataclass's __init__: none of its fields may be left out."""
+    from django_anarchon import Context
+
+    runner, table, ends = make_runner(monkeypatch)
+    seen: list[Context] = []
+    job = build_job("interval", "ctx", "1s", seen.append, {"data": {"k": 1}})
+    slot = int(time.time() * 1000) - 5
+    runner.start(hold(table, job, 7, slot))
+    wait_for(lambda: len(ends.calls) == 1, 5, what="the run")
+    ctx = seen[0]
+    assert set(vars(ctx)) == set(Context.__dataclass_fields__)
+    fields = {name: getattr(ctx, name) for name in Context.__dataclass_fields__}
+    assert ctx == Context(**fields) and repr(ctx) == repr(Context(**fields))
+    assert (ctx.name, ctx.slot, ctx.attempt, ctx.reason, ctx.manual) == ("ctx", slot, 1, "scheduled", False)
+    assert ctx.scheduled_at.timestamp() * 1000 == pytest.approx(slot)
+    with pytest.raises(AttributeError):
+        ctx.name = "other"  # type: ignore[misc]  # still frozen
