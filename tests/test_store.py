@@ -927,3 +927,27 @@ def test_a_claim_that_waited_for_a_job_row_held_by_no_claim_wins_once_it_is_rele
         waited = time.monotonic() - started
     assert [r.owner for r in outcome.won] == ["waiter"] and outcome.busy == []
     assert waited >= 0.25, f"the claim did not wait for the row lock ({waited:.3f} s)"
+
+
+@pytest.mark.parametrize("seconds", [30.0, 0.25, -1.5])
+def test_a_lease_is_the_database_clock_plus_its_ttl_with_no_python_per_row(seconds: float) -> None:
+    """``db_in`` is the database clock shifted; on SQLite a date modifier, not Django's date arithmetic.
+
+    Django computes ``datetime + timedelta`` on SQLite with a Python function that SQLite calls
+    for every row: a claim's INSERT sets a lease per row.
+    """
+    from django_anarchon.store.statements import compile_expression
+
+    connection = connections[store.alias()]
+    sql, params = compile_expression(connection, store.db_in(seconds))
+    if connection.vendor == "sqlite":
+        assert "django_" not in sql, sql
+    now = store.database_time()
+    Run.objects.create(job="lease", slot=SLOT, attempt=1, status="running", reason="scheduled",
+                       scheduled_at=now, lease_expires_at=store.db_in(seconds))  # fmt: skip
+    stored = Run.objects.get(job="lease").lease_expires_at
+    assert stored is not None
+    assert abs((stored - now).total_seconds() - seconds) < 1.0, (stored, now)
+    # and it compares with stored datetimes as the database clock does
+    assert Run.objects.filter(job="lease", lease_expires_at__gt=store.db_in(seconds - 2)).exists()
+    assert not Run.objects.filter(job="lease", lease_expires_at__gt=store.db_in(seconds + 2)).exists()

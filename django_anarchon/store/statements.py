@@ -15,6 +15,7 @@ are the same statements the querysets produced, minus the read-back that
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -311,34 +312,35 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
     literal = _literal(connection)
     pieces: dict[Any, tuple[str, list[Any]]] = {}  # SQL and parameters, by expression or plain value
     computed: set[str] = set()  # the fields some row sets to an expression
-    groups: list[str] = []
-    params: list[Any] = []
-    # Most columns hold the very same object in every row (the defaults, the owner, the
-    # database clock's expression): the previous row's piece is taken without a lookup.
-    last: list[tuple[Any, tuple[str, list[Any]]]] = [(_UNSET, ("", []))] * len(fields)
-    for row in rows:
-        group: list[str] = []
-        for index, field in enumerate(fields):
-            value = getattr(row, field.attname)
-            before, piece = last[index]
-            if value is before:
-                pass
-            elif type(value) not in _PLAIN and hasattr(value, "resolve_expression"):
-                computed.add(field.attname)
-                key: Any = id(value)
-                piece = pieces.get(key) or pieces.setdefault(key, compile_expression(connection, value))
-                last[index] = (value, piece)
-            else:
-                key = (field.attname, type(value), value)
-                try:
-                    piece = pieces.get(key) or pieces.setdefault(key, _plain(connection, field, value, literal))
-                except TypeError:  # an unhashable value (JSON data): prepared each time
-                    piece = _plain(connection, field, value, literal)
-                last[index] = (value, piece)
-            group.append(piece[0])
-            if piece[1]:
-                params.extend(piece[1])
-        groups.append("(" + ", ".join(group) + ")")
+
+    def piece_of(field: Any, value: Any) -> tuple[str, list[Any]]:
+        if type(value) not in _PLAIN and hasattr(value, "resolve_expression"):
+            computed.add(field.attname)
+            key: Any = id(value)  # the rows hold the expression: its id stays its own meanwhile
+            return pieces.get(key) or pieces.setdefault(key, compile_expression(connection, value))
+        key = (field.attname, type(value), value)
+        try:
+            return pieces.get(key) or pieces.setdefault(key, _plain(connection, field, value, literal))
+        except TypeError:  # an unhashable value (JSON data): prepared each time
+            return _plain(connection, field, value, literal)
+
+    # Column by column: most hold the very same object in every row (the defaults, the
+    # owner, the database clock's expression), prepared once for the whole column.
+    column_sql: list[list[str]] = []
+    column_params: list[list[list[Any]]] = []
+    for field in fields:
+        values = [getattr(row, field.attname) for row in rows]
+        first = values[0]
+        if all(value is first for value in values):
+            sql, found = piece_of(field, first)
+            column_sql.append([sql] * len(rows))
+            column_params.append([found] * len(rows))
+        else:
+            each = [piece_of(field, value) for value in values]
+            column_sql.append([sql for sql, _ in each])
+            column_params.append([found for _, found in each])
+    groups = ["(" + ", ".join(row_sql) + ")" for row_sql in zip(*column_sql, strict=True)]
+    params = list(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(*column_params, strict=True))))
     statement = "{insert} {run} ({cols}) VALUES {values} {suffix}".format(
         insert=connection.ops.insert_statement(on_conflict=OnConflict.IGNORE),
         run=_name(connection, Run),
@@ -417,7 +419,6 @@ def _plain(connection: Any, field: Any, value: Any, literal: Callable[[Any], str
     return literal(prepared), []
 
 
-_UNSET = object()
 # Values that are never expressions (insert_runs asks the others whether they are).
 _PLAIN = frozenset({str, int, bool, float, type(None), datetime, dict, list})
 # What a claim's INSERT returns: what identifies a row, and the columns the database's clock sets.
