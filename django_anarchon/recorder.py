@@ -94,10 +94,11 @@ class Recorder:
 
     def submit(self, ending: Ending) -> None:
         """Queue ``ending`` to be written; its ``then`` is called once it is (or was given up)."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="anarchon-recorder", daemon=True)
-                self._thread.start()
+        if self._thread is None:  # looked at again under the lock: started once
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="anarchon-recorder", daemon=True)
+                    self._thread.start()
         self._queue.put(ending)
 
     def record(self, ending: Ending) -> Any:

@@ -74,7 +74,9 @@ def tidy_connections() -> None:
         if connection.connection is None:
             continue
         try:
-            if connection.in_atomic_block or connection.get_autocommit() != connection.settings_dict["AUTOCOMMIT"]:
+            # .autocommit, not get_autocommit(): connected already, and get_autocommit() asks
+            # asyncio whether a loop runs on this thread, the larger part of tidying a run.
+            if connection.in_atomic_block or connection.autocommit != connection.settings_dict["AUTOCOMMIT"]:
                 connection.close()
                 continue
             if connection.errors_occurred:
@@ -203,8 +205,12 @@ class Starter:
 
     The same thread looks after released runs still waiting for a worker
     (``stalled``: called once :meth:`watch` asks, it returns the seconds until
-    it wants to be called again, or None). The thread exists while runs wait.
+    it wants to be called again, or None). The thread exists while runs wait,
+    and ``LINGER_S`` longer.
     """
+
+    # How long the thread stays once nothing waits, for the runs of the next instant.
+    LINGER_S = 2.0
 
     def __init__(
         self,
@@ -284,6 +290,7 @@ class Starter:
         return again
 
     def _serve(self) -> None:
+        idle_since: float | None = None  # monotonic time nothing was left to wait for
         while True:
             again = self._look_after()
             with self._changed:
@@ -296,10 +303,18 @@ class Starter:
                     if due:
                         self._waiting = later
                         heapq.heapify(self._waiting)
+                        idle_since = None
                         break
                     if not self._waiting and not self._watching:
-                        self._thread = None
-                        return
+                        # Jobs due every second would otherwise start a thread every second.
+                        idle_since = time.monotonic() if idle_since is None else idle_since
+                        left = idle_since + self.LINGER_S - time.monotonic()
+                        if left <= 0:
+                            self._thread = None
+                            return
+                        self._changed.wait(left)
+                        continue
+                    idle_since = None
                     if self._watching and again is None:
                         break  # asked to watch since the last look: look now
                     timeout = CLOCK_RECHECK_S

@@ -52,6 +52,24 @@ def test_the_starter_releases_runs_at_their_slot_together_and_in_slot_order() ->
     wait_for(lambda: not starter.running, 5, what="the starter thread to leave once nothing waits")
 
 
+def test_the_starter_thread_stays_a_while_for_the_next_instant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs due every second would otherwise cost a thread started (and ended) every second."""
+    monkeypatch.setattr(Starter, "LINGER_S", 0.5)
+    clock = FakeTime(1_000)
+    released: list[int] = []
+    starter = Starter(clock, lambda a: released.append(a.run.slot))
+    starter.add(active(1_000))
+    wait_for(lambda: released == [1_000], 5, what="the first run")
+    thread = starter._thread
+    threading.Event().wait(0.2)
+    starter.add(active(1_000, "next"))
+    wait_for(lambda: len(released) == 2, 5, what="the next instant's run")
+    assert starter._thread is thread, "the same thread released the next instant's run"
+    left_at = time.monotonic()
+    wait_for(lambda: not starter.running, 5, what="the thread to leave once nothing came for LINGER_S")
+    assert time.monotonic() - left_at >= 0.3
+
+
 def test_the_starter_releases_a_run_whose_signal_aborts_before_its_slot_at_once() -> None:
     clock = FakeTime(1_000)
     released: list[ActiveRun] = []

@@ -60,7 +60,9 @@ def _newest_scheduled_slots(runs: Any) -> dict[str, int]:
     return dict(newest.values_list("job", "newest"))
 
 
+@functools.lru_cache(maxsize=4096)
 def slot_datetime(slot: int) -> datetime:
+    """The instant of ``slot`` (ms since the epoch), UTC; cached: a run asks for its slot's up to three times."""
     return datetime.fromtimestamp(slot / 1000, tz=UTC)
 
 
@@ -93,6 +95,13 @@ def built(model: type[M], values: Iterable[tuple[str, Any]] | dict[str, Any], db
     return instance
 
 
+def first_attempt_values(status: str, *, instance_id: str, owner: str) -> dict[str, Any]:
+    """The column values that every first attempt with ``status`` decided by ``owner`` shares (a copy)."""
+    values = _run_defaults().copy()
+    values.update(status=status, instance_id=instance_id, owner=owner)
+    return values
+
+
 def first_attempt(
     claim: Claim, status: str, *, instance_id: str, owner: str, data: Any, db: str | None = None, **fields: Any
 ) -> Run:
@@ -100,15 +109,12 @@ def first_attempt(
     defaults = _run_defaults()
     if not fields.keys() <= defaults.keys():
         raise TypeError(f"Run has no column {sorted(fields.keys() - defaults.keys())}")
-    values = defaults.copy()
+    values = first_attempt_values(status, instance_id=instance_id, owner=owner)
     values.update(
         job=claim.job.name,
         slot=claim.slot,
-        status=status,
         reason=claim.reason,
         scheduled_at=slot_datetime(claim.slot),
-        instance_id=instance_id,
-        owner=owner,
         data=data,
     )
     values.update(fields)
