@@ -951,3 +951,32 @@ def test_a_lease_is_the_database_clock_plus_its_ttl_with_no_python_per_row(secon
     # and it compares with stored datetimes as the database clock does
     assert Run.objects.filter(job="lease", lease_expires_at__gt=store.db_in(seconds - 2)).exists()
     assert not Run.objects.filter(job="lease", lease_expires_at__gt=store.db_in(seconds + 2)).exists()
+
+
+def test_job_names_with_quotes_percent_signs_and_backslashes_are_decided_and_ended() -> None:
+    """Job names in IN lists are written as the driver's literals on MariaDB, ids and slots as numbers."""
+    from django.db import transaction
+
+    from django_anarchon.store import statements
+
+    names = ["it's 100% done", 'a "quoted" \\ name %s', "naïve — ünïcode", "plain"]
+    jobs = [make_job(name) for name in names]
+    outcome = decide([store.Claim(job, SLOT) for job in jobs], capacity=10)
+    assert sorted(r.job for r in outcome.won) == sorted(names)
+    for won in outcome.won:  # what the claim returned is what the database holds (the clock's columns too)
+        stored = Run.objects.get(id=won.id)
+        for column in ("created_at", "started_at", "lease_expires_at", "scheduled_at", "finished_at"):
+            assert getattr(won, column) == getattr(stored, column), column
+    assert statements.decided(names, [SLOT, SLOT + 1000]) == {(name, SLOT) for name in names}
+    assert statements.decided(names[:1], [SLOT + 1000]) == set()
+    rows = statements.runs_for_decision(names, [SLOT])
+    assert sorted(r.job for r in rows if r.status == "running") == sorted(names)
+    with transaction.atomic(using=store.alias()):
+        states = statements.lock_jobs(names)
+    assert sorted(states) == sorted(names)
+    ids = [r.id for r in outcome.won]
+    assert statements.end_held(ids, owner="me", status="success") == len(names)
+    assert set(Run.objects.filter(id__in=ids).values_list("status", flat=True)) == {"success"}
+    # and a second claim of the next slot still sees the names (the literals kept per connection)
+    again = decide([store.Claim(job, SLOT + 1000) for job in jobs], capacity=10)
+    assert sorted(r.job for r in again.won) == sorted(names)
