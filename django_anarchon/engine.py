@@ -388,9 +388,12 @@ class Engine:
             for run in runs:
                 self.adopt(run, sent)  # renewed first, one by one (see adopt)
             return
-        actives = [ActiveRun(run, self.jobs[run.job], renewed_at=sent) for run in runs]
+        self._take_on([ActiveRun(run, self.jobs[run.job], renewed_at=sent) for run in runs])
+
+    def _take_on(self, actives: list[ActiveRun]) -> None:
+        """Hold ``actives`` (all renewed at the same moment) and have them executed."""
         self.table.add_many(actives)
-        self.keeper.held(actives[0])  # every one of them was claimed (and renewed) at ``sent``
+        self.keeper.held(actives[0])  # the one renewal moment they share decides for all
         self.runner.start_many(actives)
 
     def adopt(self, run: Run, sent: float) -> ActiveRun | None:
@@ -414,9 +417,7 @@ class Engine:
                 return None
             sent = fresh
         active = ActiveRun(run, self.jobs[run.job], renewed_at=sent)
-        self.table.add(active)
-        self.keeper.held(active)
-        self.runner.start(active)
+        self._take_on([active])
         return active
 
     # -- start-up, polls, takeovers, housekeeping -----------------------------------------

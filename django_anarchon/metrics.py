@@ -101,9 +101,6 @@ class _Spread:
             self.buckets[index] += 1
             self.total += amount
 
-    def get(self) -> float:
-        return float(sum(self.buckets))
-
 
 class _Family:
     """A labelled counter or histogram, counted here and handed to prometheus-client at each scrape.

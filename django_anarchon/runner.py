@@ -143,10 +143,7 @@ class Runner:
 
     def start(self, active: ActiveRun) -> None:
         """Execute ``active`` on a worker: at once, or at its slot if it was claimed ahead."""
-        if active.run.slot > self.clock.now_ms():
-            self.starter.add(active)
-        else:
-            self._hand_on(active)
+        self.start_many([active])
 
     def start_many(self, actives: list[ActiveRun]) -> None:
         """:meth:`start` each of ``actives``: those claimed ahead go to the starter together."""

@@ -238,12 +238,8 @@ class Starter:
             # waking it for each of a hundred runs of one instant took the GIL a hundred times.
             soonest = min(entry[0] for entry in entries)
             sooner = not self._waiting or soonest < self._waiting[0][0]
-            if len(entries) > len(self._waiting):
-                self._waiting.extend(entries)
-                heapq.heapify(self._waiting)
-            else:
-                for entry in entries:
-                    heapq.heappush(self._waiting, entry)
+            self._waiting.extend(entries)
+            heapq.heapify(self._waiting)
             self._ensure_thread()
             if sooner:
                 self._changed.notify()
