@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from . import metrics, signals, store
@@ -499,7 +500,7 @@ class RunTable:
                 return
             run.status = status
             run.error_type, run.error_message, run.traceback = texts
-            run.finished_at = store.slot_datetime(int(time.time() * 1000))
+            run.finished_at = datetime.now(UTC)  # the row holds the database's clock; receivers get ours
             metrics.RUNS.labels(run.job, status).inc()
             if active.ran:
                 metrics.DURATION.labels(run.job).observe((active.returned_at or time.monotonic()) - active.started)

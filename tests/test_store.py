@@ -980,3 +980,50 @@ def test_job_names_with_quotes_percent_signs_and_backslashes_are_decided_and_end
     # and a second claim of the next slot still sees the names (the literals kept per connection)
     again = decide([store.Claim(job, SLOT + 1000) for job in jobs], capacity=10)
     assert sorted(r.job for r in again.won) == sorted(names)
+
+
+def test_a_claims_insert_on_mariadb_writes_its_values_into_the_statement() -> None:
+    """MariaDB's claim INSERT carries no parameters (MySQLdb escapes each in Python): names, statuses, data
+    and the lease's and start's arithmetic are the driver's literals. What the database stores is what
+    parameters would have stored (quotes, % signs, backslashes, escapes in JSON, non-ASCII), and the
+    instants it returns as text are the ones it holds. Elsewhere the values go as parameters."""
+    connection = connections[store.alias()]
+    if connection.vendor == "postgresql":
+        pytest.skip("PostgreSQL claims in one statement (see test_claim_function_*)")
+    data = {"note": "it's 100% done \\ %s", "tab": "a\tb", "n": 12, "ok": True, "none": None, "ü": 1.5}
+    names = ["it's 50%", 'say "%%s" \\', "naïve"]
+    jobs = [make_job(name, data=data) for name in names]
+    sent: list[tuple[str, Any]] = []
+
+    def watch(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        sent.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(watch):
+        outcome = decide([store.Claim(job, SLOT) for job in jobs], capacity=10, default_data={"unused": 1})
+    [params] = [p for sql, p in sent if sql.startswith("INSERT") and Run._meta.db_table in sql[:60]]
+    if connection.vendor == "mysql":
+        assert not params, params
+    else:
+        assert params
+    assert sorted(r.job for r in outcome.won) == sorted(names)
+    for won in outcome.won:
+        stored = Run.objects.get(id=won.id)
+        assert (stored.job, stored.data, stored.status, stored.attempt, stored.manual) == (
+            won.job, data, "running", 1, False
+        )  # fmt: skip
+        for column in ("created_at", "started_at", "lease_expires_at", "scheduled_at"):
+            assert getattr(won, column) == getattr(stored, column), column
+        assert timedelta(seconds=TTL - 5) < stored.lease_expires_at - stored.created_at <= timedelta(seconds=TTL + 1)
+
+
+def test_an_expressions_parameters_are_written_in_with_their_percent_signs_kept() -> None:
+    from django_anarchon.store import statements
+
+    def literal(value: Any) -> str:  # as _literal's: quoted, % doubled
+        return "'" + str(value).replace("'", "''").replace("%", "%%") + "'"
+
+    assert statements._inlined("MAX(%s, %s, '%%Y')", ["it's 5%", 3], literal) == (
+        "MAX('it''s 5%%', '3', '%%Y')", []
+    )  # fmt: skip
+    assert statements._inlined("NOW()", [], literal) == ("NOW()", [])

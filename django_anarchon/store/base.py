@@ -102,22 +102,15 @@ def first_attempt_values(status: str, *, instance_id: str, owner: str) -> dict[s
     return values
 
 
-def first_attempt(
-    claim: Claim, status: str, *, instance_id: str, owner: str, data: Any, db: str | None = None, **fields: Any
-) -> Run:
-    """The row of the first attempt at ``claim``'s slot, with ``fields`` on top: read from ``db``, or not saved."""
-    defaults = _run_defaults()
-    if not fields.keys() <= defaults.keys():
-        raise TypeError(f"Run has no column {sorted(fields.keys() - defaults.keys())}")
-    values = first_attempt_values(status, instance_id=instance_id, owner=owner)
-    values.update(
-        job=claim.job.name,
-        slot=claim.slot,
-        reason=claim.reason,
-        scheduled_at=slot_datetime(claim.slot),
-        data=data,
-    )
-    values.update(fields)
+def first_attempt(claim: Claim, base: dict[str, Any], data: Any, db: str | None = None) -> Run:
+    """The row of the first attempt at ``claim``'s slot: ``base`` (:func:`first_attempt_values`, and
+    whatever else every row of a batch shares) with the claim's own values; read from ``db``, or not saved."""
+    values = base.copy()
+    values["job"] = claim.job.name
+    values["slot"] = claim.slot
+    values["reason"] = claim.reason
+    values["scheduled_at"] = slot_datetime(claim.slot)
+    values["data"] = data
     return built(Run, values, db)
 
 

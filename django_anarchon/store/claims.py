@@ -26,6 +26,7 @@ from .base import (
     _views_of,
     alias,
     first_attempt,
+    first_attempt_values,
     logger,
     notify,
     retry_deadlocks,
@@ -135,25 +136,26 @@ def _decide(
         budget = capacity
         # One expression object per value, so that each is compiled once per batch.
         now, lease, started = DbNow(), db_in(ttl), {}
+        bases: dict[tuple[str, bool], dict[str, Any]] = {}  # what rows of one status share, by (status, waits)
+
+        def base(status: str, waits: bool = False) -> dict[str, Any]:
+            if (status, waits) not in bases:
+                mine = "" if waits else instance_id, "" if waits else owner
+                shared = first_attempt_values(status, instance_id=mine[0], owner=mine[1])
+                shared["created_at"] = now
+                bases[(status, waits)] = shared
+            return bases[(status, waits)]
+
         for claim in sorted(all_claims, key=lambda c: (c.slot, c.job.name)):
             job = claim.job
             if states[job.name].paused or (job.name, claim.slot) in taken:
                 continue
             view = views[job.name]
             if claim.shed:
-                data = _resolved_data(job, default_data)
-                inserts.append(
-                    first_attempt(
-                        claim,
-                        Status.SKIPPED,
-                        instance_id=instance_id,
-                        owner=owner,
-                        data=data,
-                        created_at=now,
-                        finished_at=now,
-                        detail=claim.shed,
-                    )  # fmt: skip
-                )
+                row = first_attempt(claim, base(Status.SKIPPED), _resolved_data(job, default_data))
+                row.finished_at = now
+                row.detail = claim.shed
+                inserts.append(row)
                 taken.add((job.name, claim.slot))
                 continue
             busy = bool(view.active) and job.overlap != "allow"
@@ -173,15 +175,9 @@ def _decide(
                 if busy and job.overlap == "replace":
                     replace_ids.extend(r.id for r in view.active if r.id is not None)
             waits = status == Status.PENDING
-            row = first_attempt(
-                claim,
-                status,
-                instance_id="" if waits else instance_id,
-                owner="" if waits else owner,
-                data=_resolved_data(job, default_data),
-                created_at=now,
-                detail=detail,
-            )
+            row = first_attempt(claim, base(status, waits), _resolved_data(job, default_data))
+            if detail:
+                row.detail = detail
             if status == Status.RUNNING:
                 # Claimed a few ms ahead of the slot; the handler starts at the slot.
                 if claim.slot not in started:

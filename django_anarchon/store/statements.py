@@ -15,8 +15,10 @@ are the same statements the querysets produced, minus the read-back that
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
+import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
@@ -113,14 +115,7 @@ def _texts(connection: Any, values: Sequence[str]) -> tuple[str, list[str]]:
     literal = _literal(connection)
     if literal is None:
         return _marks(len(values)), list(values)
-    raw = connection.connection
-    cache = getattr(connection, "_anarchon_literals", None)
-    if cache is None or cache[0] is not raw:
-        cache = (raw, {})
-        connection._anarchon_literals = cache
-    known: dict[str, str] = cache[1]
-    if len(known) > _LITERALS_KEPT:
-        known.clear()
+    known = _known_literals(connection)
     return ", ".join([known.get(v) or known.setdefault(v, literal(v)) for v in values]), []
 
 
@@ -351,16 +346,28 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
         return []
     db = alias()
     connection = connections[db]
-    fields = [f for f in Run._meta.concrete_fields if not f.primary_key]
+    fields, read_row = _insert_columns()
     literal = _literal(connection)
+    known = _known_literals(connection) if literal is not None else None
     pieces: dict[Any, tuple[str, list[Any]]] = {}  # SQL and parameters, by expression or plain value
     computed: set[str] = set()  # the fields some row sets to an expression
 
     def piece_of(field: Any, value: Any) -> tuple[str, list[Any]]:
+        if field.attname == "job" and type(value) is str:
+            # A job name: the value itself (what CharField prepares), its literal kept per connection.
+            if literal is None or known is None:
+                return "%s", [value]
+            text = known.get(value)
+            if text is None:
+                text = known[value] = literal(value)
+            return text, []
         if type(value) not in _PLAIN and hasattr(value, "resolve_expression"):
             computed.add(field.attname)
             key: Any = id(value)  # the rows hold the expression: its id stays its own meanwhile
-            return pieces.get(key) or pieces.setdefault(key, compile_expression(connection, value))
+            if key not in pieces:
+                sql, found = compile_expression(connection, value)
+                pieces[key] = (sql, found) if literal is None else _inlined(sql, found, literal)
+            return pieces[key]
         key = (field.attname, type(value), value)
         try:
             return pieces.get(key) or pieces.setdefault(key, _plain(connection, field, value, literal))
@@ -371,13 +378,13 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
     # owner, the database clock's expression), prepared once for the whole column.
     column_sql: list[list[str]] = []
     column_params: list[list[list[Any]]] = []
-    for field in fields:
-        values = [getattr(row, field.attname) for row in rows]
+    count = len(rows)
+    for field, values in zip(fields, zip(*map(read_row, rows), strict=True), strict=True):
         first = values[0]
-        if all(value is first for value in values):
+        if all(map(operator.is_, values, itertools.repeat(first, count))):
             sql, found = piece_of(field, first)
-            column_sql.append([sql] * len(rows))
-            column_params.append([found] * len(rows))
+            column_sql.append([sql] * count)
+            column_params.append([found] * count)
         else:
             each = [piece_of(field, value) for value in values]
             column_sql.append([sql for sql, _ in each])
@@ -398,11 +405,12 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
     if not computed <= set(_RETURNED):
         return _read(Run, f"{statement} RETURNING {_columns(connection, Run)}", params)
     returned = [Run._meta.get_field(name) for name in _RETURNED]
-    # MySQLdb turns every datetime it reads into a datetime in Python; as text, each of the
-    # few distinct instants is parsed once below.
+    # MySQLdb, and Python's sqlite3 for a column declared as a datetime, turn every datetime
+    # they read into a datetime in Python; as text, each of the few distinct instants is
+    # parsed once below.
     as_text = {
         name for name, field in zip(_RETURNED, returned, strict=True)
-        if connection.vendor == "mysql" and isinstance(field, DateTimeField)
+        if connection.vendor in ("mysql", "sqlite") and isinstance(field, DateTimeField)
     }  # fmt: skip
     statement += " RETURNING " + ", ".join(
         f"CAST({_name(connection, Run, name)} AS CHAR)" if name in as_text else _name(connection, Run, name)
@@ -417,22 +425,20 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
         for i, (name, c) in enumerate(zip(_RETURNED, converters, strict=True))
         if c[1] or name in as_text
     ]
-    # The database's clock reads the same for every row of one statement: each distinct
-    # value is converted once (datetimes are immutable, so the rows may share them).
-    converted: dict[tuple[int, Any], Any] = {}
+    if not found:
+        return []
+    # Column by column. The database's clock reads the same for every row of one statement:
+    # each distinct value is converted once (datetimes are immutable, so the rows may share them).
+    columns: list[Sequence[Any]] = list(zip(*found, strict=True))
+    for index, _, functions in converting:
+        distinct = {raw: _converted(raw, functions, connection) for raw in set(columns[index])}
+        columns[index] = [distinct[raw] for raw in columns[index]]
     sent = {(r.job, r.slot, r.attempt, r.manual): r for r in rows}
     texts: dict[int, str] = {}  # the JSON of each distinct data object sent
     stored = []
-    for values in found:
-        got = dict(zip(_RETURNED, values, strict=True))
-        for index, name, functions in converting:
-            raw = values[index]
-            try:
-                got[name] = converted[(index, raw)]
-            except KeyError:
-                got[name] = converted[(index, raw)] = _converted(raw, functions, connection)
-        row = sent[(got["job"], got["slot"], got["attempt"], got["manual"])]
-        row.__dict__.update(got)
+    for values in zip(*columns, strict=True):
+        row = sent[values[1:5]]  # (job, slot, attempt, manual): see _RETURNED
+        row.__dict__.update(zip(_RETURNED, values, strict=True))
         if row.data is not None:
             # Its own copy, as read from the database: rows of one job were sent the job's own object.
             text = texts.get(id(row.data)) or texts.setdefault(id(row.data), json.dumps(row.data))
@@ -451,7 +457,8 @@ def _literal(connection: Any) -> Callable[[Any], str] | None:
     its values in every row (a hundred rows, twenty-odd columns), so the
     values are escaped here as the driver would (its own ``literal()`` on the
     same connection, so the same character set and SQL mode), once per
-    distinct value. None elsewhere: the values go as parameters.
+    distinct value. None elsewhere: the values go as parameters (on SQLite,
+    literals made the INSERT slower to run: SQLite parses and copies each).
     """
     if connection.vendor != "mysql":
         return None
@@ -461,10 +468,38 @@ def _literal(connection: Any) -> Callable[[Any], str] | None:
         return None
 
     def text(value: Any) -> str:
-        # The statement is still formatted with the expressions' parameters: keep its % signs.
+        # The statement is still formatted with what parameters remain: keep its % signs.
         return literal(value).decode(encoding).replace("%", "%%")
 
     return text
+
+
+def _inlined(sql: str, params: list[Any], literal: Callable[[Any], str]) -> tuple[str, list[Any]]:
+    """An expression's SQL with its parameters written in as the driver's literals (see :func:`_literal`)."""
+    if not params:
+        return sql, params
+    # The literals double their % signs, as the statement does: undo it for the formatting, redo it after.
+    return (sql % tuple(literal(p).replace("%%", "%") for p in params)).replace("%", "%%"), []
+
+
+@functools.cache
+def _insert_columns() -> tuple[list[Any], Callable[[Run], tuple[Any, ...]]]:
+    """The columns a run's INSERT writes (all but the primary key), and what reads a run's values of them."""
+    fields = [f for f in Run._meta.concrete_fields if not f.primary_key]
+    return fields, operator.attrgetter(*(f.attname for f in fields))
+
+
+def _known_literals(connection: Any) -> dict[str, str]:
+    """The literals of the job names written on this connection so far (see ``_literal``)."""
+    raw = connection.connection
+    cache = getattr(connection, "_anarchon_literals", None)
+    if cache is None or cache[0] is not raw:
+        cache = (raw, {})
+        connection._anarchon_literals = cache
+    known: dict[str, str] = cache[1]
+    if len(known) > _LITERALS_KEPT:
+        known.clear()
+    return known
 
 
 def _plain(connection: Any, field: Any, value: Any, literal: Callable[[Any], str] | None) -> tuple[str, list[Any]]:
@@ -478,6 +513,7 @@ def _plain(connection: Any, field: Any, value: Any, literal: Callable[[Any], str
 # Values that are never expressions (insert_runs asks the others whether they are).
 _PLAIN = frozenset({str, int, bool, float, type(None), datetime, dict, list})
 # What a claim's INSERT returns: what identifies a row, and the columns the database's clock sets.
+# insert_runs finds the row it sent by the second to fifth (job, slot, attempt, manual).
 _RETURNED = ("id", "job", "slot", "attempt", "manual", "created_at", "started_at", "finished_at", "lease_expires_at")
 
 
