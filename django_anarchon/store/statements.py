@@ -376,26 +376,46 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
 
     # Column by column: most hold the very same object in every row (the defaults, the
     # owner, the database clock's expression), prepared once for the whole column.
-    column_sql: list[list[str]] = []
-    column_params: list[list[list[Any]]] = []
+    shared: list[tuple[str, list[Any]] | None] = []  # by column: its one piece, or None where the rows differ
+    varying_sql: list[list[str]] = []
+    varying_params: list[list[list[Any]]] = []
     count = len(rows)
     for field, values in zip(fields, zip(*map(read_row, rows), strict=True), strict=True):
         first = values[0]
         if all(map(operator.is_, values, itertools.repeat(first, count))):
-            sql, found = piece_of(field, first)
-            column_sql.append([sql] * count)
-            column_params.append([found] * count)
+            shared.append(piece_of(field, first))
         else:
+            shared.append(None)
             each = [piece_of(field, value) for value in values]
-            column_sql.append([sql for sql, _ in each])
-            column_params.append([found for _, found in each])
-    groups = ["(" + ", ".join(row_sql) + ")" for row_sql in zip(*column_sql, strict=True)]
-    params = list(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(*column_params, strict=True))))
-    statement = "{insert} {run} ({cols}) VALUES {values} {suffix}".format(
+            varying_sql.append([sql for sql, _ in each])
+            varying_params.append([found for _, found in each])
+    params: list[Any] = []
+    if connection.vendor == "sqlite" and varying_sql and len(varying_sql) < len(fields):
+        # SQLite binds each parameter of each row: the columns every row shares are written
+        # (and bound) once, in a SELECT over a VALUES list of what differs (the job, mostly).
+        select, k = [], 0
+        for piece in shared:
+            if piece is None:
+                k += 1
+                select.append(f"v.column{k}")
+            else:
+                select.append(piece[0])
+                params.extend(piece[1])
+        groups = ["(" + ", ".join(row_sql) + ")" for row_sql in zip(*varying_sql, strict=True)]
+        params.extend(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(*varying_params, strict=True))))
+        body = f"SELECT {', '.join(select)} FROM (VALUES {', '.join(groups)}) AS v"
+    else:
+        sql_of, params_of = iter(varying_sql), iter(varying_params)
+        column_sql = [[piece[0]] * count if piece is not None else next(sql_of) for piece in shared]
+        column_params = [[piece[1]] * count if piece is not None else next(params_of) for piece in shared]
+        groups = ["(" + ", ".join(row_sql) + ")" for row_sql in zip(*column_sql, strict=True)]
+        params.extend(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(*column_params, strict=True))))
+        body = "VALUES " + ", ".join(groups)
+    statement = "{insert} {run} ({cols}) {body} {suffix}".format(
         insert=connection.ops.insert_statement(on_conflict=OnConflict.IGNORE),
         run=_name(connection, Run),
         cols=", ".join(connection.ops.quote_name(str(f.column)) for f in fields),
-        values=", ".join(groups),
+        body=body,
         suffix=connection.ops.on_conflict_suffix_sql(fields, OnConflict.IGNORE, None, None) or "",
     ).rstrip()
     if not connection.features.can_return_rows_from_bulk_insert:
