@@ -41,9 +41,9 @@ from .base import (
     _vendor,
     alias,
     built,
+    first_attempt,
     first_attempt_values,
     logger,
-    slot_datetime,
 )
 from .schema import CLAIM_FUNCTION
 
@@ -401,16 +401,12 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
             else:
                 select.append(piece[0])
                 params.extend(piece[1])
-        groups = ["(" + ", ".join(row_sql) + ")" for row_sql in zip(*varying_sql, strict=True)]
-        params.extend(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(*varying_params, strict=True))))
-        body = f"SELECT {', '.join(select)} FROM (VALUES {', '.join(groups)}) AS v"
+        body = f"SELECT {', '.join(select)} FROM ({_values(varying_sql, varying_params, params)}) AS v"
     else:
         sql_of, params_of = iter(varying_sql), iter(varying_params)
         column_sql = [[piece[0]] * count if piece is not None else next(sql_of) for piece in shared]
         column_params = [[piece[1]] * count if piece is not None else next(params_of) for piece in shared]
-        groups = ["(" + ", ".join(row_sql) + ")" for row_sql in zip(*column_sql, strict=True)]
-        params.extend(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(*column_params, strict=True))))
-        body = "VALUES " + ", ".join(groups)
+        body = _values(column_sql, column_params, params)
     statement = "{insert} {run} ({cols}) {body} {suffix}".format(
         insert=connection.ops.insert_statement(on_conflict=OnConflict.IGNORE),
         run=_name(connection, Run),
@@ -467,6 +463,12 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
         row._state.db = db
         stored.append(row)
     return stored
+
+
+def _values(column_sql: list[list[str]], column_params: list[list[list[Any]]], params: list[Any]) -> str:
+    """``VALUES (...), ...`` of rows given column by column; their parameters, row by row, go onto ``params``."""
+    params.extend(itertools.chain.from_iterable(itertools.chain.from_iterable(zip(*column_params, strict=True))))
+    return "VALUES " + ", ".join(["(" + ", ".join(row_sql) + ")" for row_sql in zip(*column_sql, strict=True)])
 
 
 def _literal(connection: Any) -> Callable[[Any], str] | None:
@@ -688,7 +690,7 @@ def claim_scheduled(
             CLAIM_FUNCTION,
         )
         raise NoClaimFunction from error
-    # Every won row: the same columns but for a few (first_attempt()'s, set here for a hundred rows).
+    # Every won row: the same columns but for a few (first_attempt()'s, and what the database set).
     base = first_attempt_values(Status.RUNNING, instance_id=instance_id, owner=owner)
     for kind, job, slot, run_id, created_at, started_at, lease_expires_at in rows:
         if kind == "busy":
@@ -703,19 +705,13 @@ def claim_scheduled(
             for us in (created_at, started_at, lease_expires_at):
                 if us not in seen:
                     seen[us] = None if us is None else _EPOCH + timedelta(microseconds=us)
-            values = base.copy()
-            values.update(
-                job=claim.job.name,
-                slot=claim.slot,
-                reason=claim.reason,
-                scheduled_at=slot_datetime(claim.slot),
-                data=None if (text := texts[job]) is None else json.loads(text),  # each run its own copy
-                id=run_id,
-                created_at=seen[created_at],
-                started_at=seen[started_at],
-                lease_expires_at=seen[lease_expires_at],
-            )
-            outcome.won.append(built(Run, values, db))
+            own = None if (text := texts[job]) is None else json.loads(text)  # each run its own copy of the data
+            row = first_attempt(claim, base, own, db)
+            row.id = run_id
+            row.created_at = seen[created_at]
+            row.started_at = seen[started_at]
+            row.lease_expires_at = seen[lease_expires_at]
+            outcome.won.append(row)
     outcome.busy.sort()
     return outcome, undecided
 
