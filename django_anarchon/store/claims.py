@@ -241,7 +241,7 @@ def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
 
 
 def _expand_catch_ups(
-    catch_ups: Sequence[CatchUp], states: dict[str, JobState], owner: str, instance_id: str
+    catch_ups: Sequence[CatchUp], states: dict[str, statements.Locked], owner: str, instance_id: str
 ) -> tuple[list[Claim], list[Run]]:
     """Turn windows of possibly missed slots into catch-up claims and ``missed`` records.
 
