@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import DateTimeField, ExpressionWrapper, Func
+from django.db.models import DateTimeField, ExpressionWrapper, Func, Value
+from django.db.models.functions import Greatest
 
 
 class DbNow(Func):
@@ -30,7 +31,7 @@ class DbNow(Func):
         )
 
 
-class _DbIn(ExpressionWrapper):
+class DbIn(ExpressionWrapper):
     """The database clock plus a number of seconds.
 
     On SQLite, a date modifier of ``STRFTIME`` rather than Django's date
@@ -48,4 +49,17 @@ class _DbIn(ExpressionWrapper):
 
 def db_in(seconds: float) -> ExpressionWrapper:
     """The database clock plus ``seconds``."""
-    return _DbIn(seconds)
+    return DbIn(seconds)
+
+
+class NotBefore(Greatest):
+    """The database clock, or ``moment`` if that is later (a run claimed ahead starts at its slot)."""
+
+    def __init__(self, moment: datetime) -> None:
+        super().__init__(DbNow(), Value(moment, output_field=DateTimeField()))
+        self.moment = moment
+
+
+def db_not_before(moment: datetime) -> Greatest:
+    """The later of the database clock and ``moment``."""
+    return NotBefore(moment)

@@ -1038,3 +1038,41 @@ def test_an_expressions_parameters_are_written_in_with_their_percent_signs_kept(
         "MAX('it''s 5%%', '3', '%%Y')", []
     )  # fmt: skip
     assert statements._inlined("NOW()", [], literal) == ("NOW()", [])
+
+
+def test_a_claims_clock_expressions_are_compiled_once_and_still_say_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Django's compiler took ~0.4 ms of every claim for the database clock, the lease and the start of a run
+    claimed ahead: each is compiled once per database (a start's moment prepared as its own parameter), and
+    what the database stores is what the compiled expressions said: a start at its slot if that is still
+    ahead, else at the claim's own instant; a lease TTL after it."""
+    from django_anarchon.store import statements
+
+    compiled: list[str] = []
+    real = statements.compile_expression
+
+    def counting(connection: Any, expression: Any) -> tuple[str, list[Any]]:
+        compiled.append(type(expression).__name__)
+        return real(connection, expression)
+
+    monkeypatch.setattr(statements, "compile_expression", counting)
+    monkeypatch.setattr(statements, "_CLOCK_SQL", {})
+    job = make_job("clocked", overlap="allow")
+    past = (int(time.time()) - 3600) * 1000
+    for turn in range(2):
+        compiled.clear()
+        slots = [SLOT + turn * 1000, past + turn * 1000]
+        # wait=True: the Python path on every database (PostgreSQL's claim function takes plain claims)
+        outcome = decide([store.Claim(job, slot, wait=True) for slot in slots], capacity=10)
+        assert sorted(r.slot for r in outcome.won) == sorted(slots)
+        if turn == 1:
+            assert compiled == [], "the second claim compiled its clock expressions again"
+        else:
+            assert "DbIn" in compiled and "NotBefore" in compiled, compiled
+        for slot in slots:
+            stored = Run.objects.get(job="clocked", slot=slot)
+            if slot > past + 10_000:
+                assert stored.started_at == stored.scheduled_at, "claimed ahead: starts at its slot"
+            else:
+                assert stored.started_at == stored.created_at, "claimed late: starts when claimed"
+            assert timedelta(seconds=TTL - 1) < stored.lease_expires_at - stored.created_at
+            assert stored.lease_expires_at - stored.created_at <= timedelta(seconds=TTL + 1)

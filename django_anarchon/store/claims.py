@@ -6,10 +6,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.db import transaction
-from django.db.models import DateTimeField, F, Q, Value
-from django.db.models.functions import Greatest
+from django.db.models import F, Q
 
-from ..dbtime import DbNow, db_in
+from ..dbtime import DbNow, db_in, db_not_before
 from ..models import JobState, Reason, Run, Status
 from ..slots import BEHIND_DETAIL, SHED_LIMIT, CatchUp, Claim
 from . import statements
@@ -181,7 +180,7 @@ def _decide(
             if status == Status.RUNNING:
                 # Claimed a few ms ahead of the slot; the handler starts at the slot.
                 if claim.slot not in started:
-                    started[claim.slot] = Greatest(now, Value(row.scheduled_at, output_field=DateTimeField()))
+                    started[claim.slot] = db_not_before(row.scheduled_at)
                 row.started_at = started[claim.slot]
                 row.lease_expires_at = lease
                 if job.overlap != "allow":

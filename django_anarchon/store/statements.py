@@ -31,7 +31,7 @@ from django.db.models import DateTimeField, ExpressionWrapper, Model
 from django.db.models.constants import OnConflict
 from django.db.models.sql import Query
 
-from ..dbtime import DbNow, db_in
+from ..dbtime import DbIn, DbNow, NotBefore, db_in
 from ..models import Instance, JobState, Reason, Run, Status
 from ..slots import Claim
 from .base import (
@@ -50,6 +50,8 @@ from .schema import CLAIM_FUNCTION
 _ACTIVE = (Status.RUNNING, Status.PENDING)
 _NOW_SQL: dict[str, str] = {}  # vendor -> the database clock's SQL
 _BUILT: dict[tuple[Any, ...], tuple[str, list[Any]]] = {}  # see _built()
+_CLOCK_SQL: dict[tuple[Any, ...], tuple[str, list[Any]]] = {}  # see _clock_sql()
+_MOMENT = DateTimeField()  # prepares the moment of a db_not_before() as its compiled Value would
 _READERS: dict[tuple[Any, ...], tuple[list[str], list[tuple[int, Any]]]] = {}  # see _read()
 # What deciding slots reads of a job's row (see lock_states).
 _DECIDING = ("paused", "resumed_at", "pruned_slot")
@@ -174,6 +176,35 @@ def compile_expression(connection: Any, expression: Any) -> tuple[str, list[Any]
     compiler = query.get_compiler(connection=connection)
     resolved = expression.resolve_expression(query, allow_joins=False, for_save=True)
     sql, params = compiler.compile(resolved)
+    return sql, list(params)
+
+
+def _clock_sql(connection: Any, expression: Any) -> tuple[str, list[Any]]:
+    """:func:`compile_expression` for the database clock's expressions a claim sets, each compiled once.
+
+    Django's compiler took ~50 µs for the clock, ~150-220 µs for a lease and the
+    start of a run claimed ahead (``db_not_before``), three times per claim.
+    The SQL of each depends only on the database (and the lease's length); a
+    start's one parameter, its moment, is prepared as the compiler would
+    prepare it. Any other expression is compiled as it comes.
+    """
+    kind = type(expression)
+    if kind is DbNow:
+        return now_sql(connection), []
+    if kind is DbIn:
+        key: tuple[Any, ...] = (connection.alias, connection.vendor, "in", expression.seconds)
+    elif kind is NotBefore:
+        key = (connection.alias, connection.vendor, "not-before")
+    else:
+        return compile_expression(connection, expression)
+    if key not in _CLOCK_SQL:
+        sql, params = compile_expression(connection, expression)
+        if kind is NotBefore and len(params) != 1:
+            return sql, params  # not the one parameter (the moment) expected: compiled each time
+        _CLOCK_SQL[key] = sql, params
+    sql, params = _CLOCK_SQL[key]
+    if kind is NotBefore:
+        return sql, [_MOMENT.get_db_prep_save(expression.moment, connection)]
     return sql, list(params)
 
 
@@ -393,7 +424,7 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
             computed.add(field.attname)
             key: Any = id(value)  # the rows hold the expression: its id stays its own meanwhile
             if key not in pieces:
-                sql, found = compile_expression(connection, value)
+                sql, found = _clock_sql(connection, value)
                 pieces[key] = (sql, found) if literal is None else _inlined(sql, found, literal)
             return pieces[key]
         key = (field.attname, type(value), value)
