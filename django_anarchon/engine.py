@@ -342,6 +342,8 @@ class Engine:
             default_data=self.settings.data,
             skip_locked=skip_locked,
             now_ms=now_ms,
+            # Alone (as far as the last read of the live instances says): nobody else has decided them.
+            first_look=len(self.shares.peers) > 1,
         )
         if outcome is FAILED:
             return outcome

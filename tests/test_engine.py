@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from django_anarchon import Context, Interrupted, Scheduler, signals, store
 from django_anarchon.models import Instance, JobState, Run
+from django_anarchon.slots import Batch, Claim
 from tests.conftest import ON_DEMAND, finished, running_engine, start, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -834,16 +835,29 @@ def test_an_instance_learns_of_a_new_peer_when_it_next_claims(monkeypatch: pytes
     clock.ahead = 0.0  # type: ignore[attr-defined]
     jobs = [build_job("interval", f"job-{n}", "1s", lambda ctx: None, {}) for n in range(30)]
     engine = Engine(jobs, parse({}), instance_id="peers", clock=clock)
-    monkeypatch.setattr(store, "decide", lambda claims, catch_ups, **kwargs: store.Outcome())
+    first_looks: list[bool] = []
+
+    def deciding(claims: Any, catch_ups: Any, **kwargs: Any) -> store.Outcome:
+        first_looks.append(kwargs["first_look"])
+        return store.Outcome()
+
+    # Whether a turn's slots are due depends on the moment in the second: a claim is sent by hand too.
+    claim = Batch(claims=[Claim(jobs[0], (int(time.time()) + 5) * 1000)])
+    monkeypatch.setattr(store, "decide", deciding)
     monkeypatch.setattr(store, "live_instances", lambda within: [engine.token])
     engine.dispatch_due()
     assert engine.shares.peers == (engine.token,), "alone, it prefers every slot"
+    engine._decide(claim)
+    assert first_looks and not any(first_looks), "alone, no unlocked first look: nobody else decides"
     monkeypatch.setattr(store, "live_instances", lambda within: [engine.token, "newcomer"])
     engine.dispatch_due()
     assert engine.shares.peers == (engine.token,), "read again only PEERS_REFRESH_S later"
     clock.ahead = 2.0  # type: ignore[attr-defined]
     engine.dispatch_due()
     assert engine.shares.peers == tuple(sorted([engine.token, "newcomer"]))
+    first_looks.clear()
+    engine._decide(claim)
+    assert first_looks == [True], "with a peer, slots are first looked up without a lock"
 
 
 def test_run_missed_is_sent_for_slots_nobody_ran(sched: Scheduler, received: Any) -> None:

@@ -1076,3 +1076,35 @@ def test_a_claims_clock_expressions_are_compiled_once_and_still_say_the_same(mon
                 assert stored.started_at == stored.created_at, "claimed late: starts when claimed"
             assert timedelta(seconds=TTL - 1) < stored.lease_expires_at - stored.created_at
             assert stored.lease_expires_at - stored.created_at <= timedelta(seconds=TTL + 1)
+
+
+def test_an_instance_alone_claims_without_the_unlocked_first_look() -> None:
+    """The first look (a SELECT before the transaction) can only find something when another instance
+    decides too: one that knows of none leaves it out, and the locked decision still leaves a slot
+    someone else decided alone (no second row, nothing won)."""
+    from django.test.utils import CaptureQueriesContext
+
+    jobs = [make_job(f"alone-{n}") for n in range(3)]
+    decide([store.Claim(jobs[0], SLOT)], owner="other")
+    connection = connections[store.alias()]
+    # wait=True: the Python path on every database (PostgreSQL's claim function takes plain claims)
+    claims = [store.Claim(job, SLOT, wait=True) for job in jobs]
+    with CaptureQueriesContext(connection) as queries:
+        outcome = decide(claims, first_look=False)
+    sqls = [q["sql"] for q in queries]
+    assert not any(sql.lstrip().upper().startswith("SELECT") for sql in sqls[: _begin(sqls)]), sqls
+    assert sorted(r.job for r in outcome.won) == ["alone-1", "alone-2"], "decided elsewhere: left alone"
+    assert Run.objects.filter(job="alone-0", slot=SLOT).count() == 1
+    with CaptureQueriesContext(connection) as queries:
+        decide([store.Claim(job, SLOT + 1000, wait=True) for job in jobs])
+    sqls = [q["sql"] for q in queries]
+    assert any(sql.lstrip().upper().startswith("SELECT") for sql in sqls[: _begin(sqls)]), "the default looks first"
+
+
+def _begin(sqls: list[str]) -> int:
+    """The index of the claim's first locking statement (what comes before it ran outside the transaction)."""
+    for index, sql in enumerate(sqls):
+        text = sql.lstrip().upper()
+        if text.startswith(("BEGIN", "SAVEPOINT", "UPDATE")) or "FOR UPDATE" in text:
+            return index
+    raise AssertionError(f"no locking statement in {sqls}")

@@ -45,6 +45,7 @@ def decide(
     default_data: Any = None,
     skip_locked: bool = False,
     now_ms: int | None = None,
+    first_look: bool = True,
 ) -> Outcome:
     """Decide slots: the one transaction behind every scheduled and catch-up claim.
 
@@ -62,6 +63,12 @@ def decide(
     ``now_ms`` (claimed ahead of time) whose job is still busy is returned in
     ``early``, undecided: whether to skip, queue or replace is decided at the
     slot, when the running run may have ended.
+
+    ``first_look``: scheduled claims are first looked up without a lock, so that
+    an instance that comes after the slots were decided learns it without
+    taking (or waiting for) any lock. An instance that knows of no other live
+    one leaves it out (False): it would find nothing, and the locked decision
+    tells a slot someone else decided all the same.
     """
     common: dict[str, Any] = {
         "owner": owner,
@@ -76,14 +83,14 @@ def decide(
         try:
             outcome, rest = statements.claim_scheduled(claims, capacity=capacity, **common)
         except statements.NoClaimFunction:
-            return _decide(claims, (), capacity=capacity, now_ms=now_ms, **common)
+            return _decide(claims, (), capacity=capacity, now_ms=now_ms, first_look=first_look, **common)
         if rest:
-            more = _decide(rest, (), capacity=capacity - len(outcome.won), now_ms=now_ms, looked=True, **common)
+            more = _decide(rest, (), capacity=capacity - len(outcome.won), now_ms=now_ms, first_look=False, **common)
             for name in ("won", "skipped", "interrupted", "deferred", "missed", "busy", "early"):
                 getattr(outcome, name).extend(getattr(more, name))
             outcome.won.sort(key=lambda r: (r.slot, r.job))
         return outcome
-    return _decide(claims, catch_ups, capacity=capacity, now_ms=now_ms, **common)
+    return _decide(claims, catch_ups, capacity=capacity, now_ms=now_ms, first_look=first_look, **common)
 
 
 def _decide(
@@ -97,14 +104,14 @@ def _decide(
     default_data: Any,
     skip_locked: bool,
     now_ms: int | None,
-    looked: bool = False,
+    first_look: bool = True,
 ) -> Outcome:
     """The Python path of :func:`decide`: every case, in one transaction.
 
-    ``looked``: the claim function has just taken the unlocked first look at these claims.
+    ``first_look``: see :func:`decide` (False also when the claim function has just taken that look).
     """
     outcome = Outcome()
-    if claims and not catch_ups and not looked:
+    if claims and not catch_ups and first_look:
         # Unlocked first look: an instance that arrives after the slots were
         # decided learns it without taking (or waiting for) any lock.
         done = statements.decided(sorted({c.job.name for c in claims}), sorted({c.slot for c in claims}))
