@@ -110,3 +110,49 @@ def test_an_end_refused_even_as_ascii_is_recorded_without_its_message_then_given
     monkeypatch.setattr(store, "finish", real_finish)
     sched.run_now("later")
     assert finished("later", 1)[0].status == "success", "the instance records later ends as before"
+
+
+def test_endings_that_keep_coming_are_collected_into_one_write_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of runs ends over ~0.1 s: writing every COLLECT_S in the middle of it took SQLite's write lock
+    from the handlers' own writes. Endings that keep coming are collected into one write, but never for
+    longer than COLLECT_MAX_S: a steady stream is still written that often."""
+    import time
+
+    from django_anarchon import recorder
+
+    writes: list[tuple[float, list[int]]] = []
+    monkeypatch.setattr(
+        store, "finish_many", lambda ids, owner: writes.append((time.monotonic(), list(ids))) or set(ids)
+    )
+    rec = recorder.Recorder("token", "recorder-test", 30.0)
+
+    def ending(run_id: int) -> recorder.Ending:
+        return recorder.Ending(Run(id=run_id, job="burst", slot=0), lease_until=lambda: float("inf"), status="success")
+
+    try:
+        # A burst: thirty endings 5 ms apart (0.15 s, longer than COLLECT_S several times over).
+        burst = []
+        for run_id in range(30):
+            burst.append(ending(run_id))
+            rec.submit(burst[-1])
+            time.sleep(0.005)
+        for each in burst:
+            assert each.done.wait(5)
+        assert [r.result for r in burst] == [True] * 30
+        assert len(writes) <= 3, f"a burst's endings went in {len(writes)} writes: {[len(ids) for _, ids in writes]}"
+
+        # A steady stream for 0.7 s: written at least every COLLECT_MAX_S (and a little), not held to its end.
+        writes.clear()
+        stream = []
+        started = time.monotonic()
+        while time.monotonic() - started < 0.7:
+            stream.append(ending(100 + len(stream)))
+            rec.submit(stream[-1])
+            time.sleep(0.005)
+        for each in stream:
+            assert each.done.wait(5)
+        first_written = writes[0][0] - stream[0].queued_at
+        assert first_written < recorder.COLLECT_MAX_S + 0.15, f"the first ending waited {first_written:.3f} s"
+        assert len(writes) >= 2, "a stream longer than COLLECT_MAX_S is written more than once"
+    finally:
+        rec.stop()
