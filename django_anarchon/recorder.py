@@ -37,12 +37,6 @@ BATCH = 200
 # waking the waiting runs' threads) while more runs of the same instant are still
 # starting delays those starts.
 COLLECT_S = 0.02
-# While endings keep coming (a burst of runs still going: a hundred handlers that each write
-# a row take ~0.1 s on two cores), the window is extended by COLLECT_S at a time, up to this
-# long: on SQLite each UPDATE in the middle of a burst took the write lock from the handlers'
-# own writes, which then slept in SQLite's busy handler (a tenth of a burst's runs started
-# ~25 % later). The runs whose endings wait here keep their leases renewed (see Keeper).
-COLLECT_MAX_S = 0.2
 
 
 @dataclass
@@ -128,7 +122,11 @@ class Recorder:
                 if first is None:
                     break
                 batch = [first]
-                self._collect()
+                if self._queue.qsize() < BATCH - 1:
+                    # Sleep through the window rather than wake for every ending queued in it:
+                    # each wake-up took the GIL from the workers starting that instant's runs.
+                    # (clock.sleep: time.sleep fails under libfaketime, and this thread must live.)
+                    sleep(COLLECT_S)
                 while len(batch) < BATCH:
                     try:
                         item = self._queue.get_nowait()
@@ -147,21 +145,6 @@ class Recorder:
                             self._give_up(ending, error, "recording it failed")
         finally:
             connections.close_all()
-
-    def _collect(self) -> None:
-        """Let the endings that come after a first one gather: COLLECT_S, more while they keep coming.
-
-        Sleeps through each window rather than waking for every ending queued in it:
-        each wake-up took the GIL from the workers starting that instant's runs.
-        (clock.sleep: time.sleep fails under libfaketime, and this thread must live.)
-        """
-        until = time.monotonic() + COLLECT_MAX_S
-        queued = self._queue.qsize()
-        while queued < BATCH - 1:
-            sleep(COLLECT_S)
-            before, queued = queued, self._queue.qsize()
-            if queued == before or time.monotonic() + COLLECT_S > until:
-                return
 
     def _record(self, batch: list[Ending]) -> None:
         """Write ``batch``; retry while the database is unreachable, for each ending while its lease can be live.
