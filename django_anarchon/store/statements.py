@@ -283,15 +283,15 @@ def lock_states(names: Sequence[str], *, skip_locked: bool) -> dict[str, Locked]
         cursor.execute(select, params)
         rows = cursor.fetchall()
     found: dict[str, Locked] = {}
-    resumed_at: tuple[Any, list[Any]] | None = None
+    resumed_converters: tuple[Any, list[Any]] | None = None  # looked up at the first resumed job
     for job, paused, resumed, pruned in rows:
         if not paused and resumed is None and pruned is None:
             found[job] = _PLAIN_STATE
             continue
         if resumed is not None:
-            if resumed_at is None:
-                resumed_at = _converters(connection, JobState, JobState._meta.get_field("resumed_at"))
-            resumed = _converted(resumed, resumed_at, connection)
+            if resumed_converters is None:
+                resumed_converters = _converters(connection, JobState, JobState._meta.get_field("resumed_at"))
+            resumed = _converted(resumed, resumed_converters, connection)
         found[job] = Locked(bool(paused), resumed, None if pruned is None else int(pruned))
     return found
 
