@@ -45,10 +45,12 @@ def test_the_listener_wakes_on_notify_stays_quiet_and_reconnects() -> None:
         assert wait_for(woken), "a NOTIFY reaches the listener"
         woken.clear()
         # The server drops the listening connection: the listener connects again and listens on.
+        # Only this test database's: CI runs the PostgreSQL environments side by side on one
+        # server, and ending another run's listener would wake it in its own quiet second.
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE query LIKE %s AND pid <> pg_backend_pid()",
+                "WHERE query LIKE %s AND pid <> pg_backend_pid() AND datname = current_database()",
                 [f"LISTEN {store.NOTIFY_CHANNEL}%"],
             )
             assert cursor.fetchone() is not None
