@@ -187,25 +187,27 @@ def test_a_won_claim_equals_the_row_on_record() -> None:
 
 def test_deciding_reads_only_the_job_columns_it_uses() -> None:
     """Every column of a hundred job rows cost five datetime parses each on SQLite, per claim; a model
-    instance per job was still a tenth of the claim: the lock reads three columns into plain tuples."""
+    instance per job was still a tenth of the claim: the lock reads four columns into plain tuples."""
     from django.db import transaction
     from django.test.utils import CaptureQueriesContext
 
     resumed = timezone.now().replace(microsecond=123000)
+    paused_at = resumed - timedelta(minutes=5, microseconds=1000)
     JobState.objects.create(name="job", first_seen=timezone.now(), pause_note="note")
     JobState.objects.create(name="paused", first_seen=timezone.now(), paused=True, pruned_slot=SLOT)
-    JobState.objects.create(name="resumed", first_seen=timezone.now(), resumed_at=resumed)
+    JobState.objects.create(name="resumed", first_seen=timezone.now(), resumed_at=resumed, paused_at=paused_at)
     connection = connections[store.alias()]
     with transaction.atomic(using=store.alias()), CaptureQueriesContext(connection) as queries:
         states = store.lock_jobs(["job", "paused", "resumed"])
     [select] = [q["sql"] for q in queries if q["sql"].lstrip().upper().startswith("SELECT")]
     table = JobState._meta.db_table
     assert table in select and "first_seen" not in select and "pause_note" not in select, select
-    assert tuple(states["job"]) == (False, None, None)
+    assert tuple(states["job"]) == (False, None, None, None)
     assert states["paused"].paused is True and states["paused"].pruned_slot == SLOT
     assert type(states["paused"].pruned_slot) is int
     assert states["resumed"].paused is False and states["resumed"].resumed_at == resumed
     assert states["resumed"].resumed_at.utcoffset() is not None, "an aware datetime, as the model's field reads"
+    assert states["resumed"].paused_at == paused_at and states["resumed"].paused_at.utcoffset() is not None
 
 
 def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsewhere() -> None:
@@ -593,6 +595,40 @@ def test_slots_overtaken_in_a_paused_period_stay_unrecorded() -> None:
     JobState.objects.filter(name="job").update(paused=True)
     assert decide([], [store.CatchUp(job, until=SLOT + 40_000, since=SLOT + 10_000)]).skipped == []
     assert Run.objects.filter(slot__in=[SLOT + 10_000, SLOT + 20_000]).count() == 0
+
+
+def test_slots_overtaken_before_a_pause_are_recorded() -> None:
+    # Paused from 15_000 to 25_000: a late instance records 10_000, 30_000 and 40_000, not 20_000.
+    job = make_job(every="10s")
+    for slot in (SLOT, SLOT + 50_000):
+        _ran(job, slot)
+    JobState.objects.filter(name="job").update(
+        paused_at=store.slot_datetime(SLOT + 15_000), resumed_at=store.slot_datetime(SLOT + 25_000)
+    )
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 40_000, since=SLOT + 10_000)], owner="late")
+    assert [r.slot for r in outcome.skipped] == [SLOT + 10_000, SLOT + 30_000, SLOT + 40_000]
+
+
+def test_slots_missed_before_a_pause_are_recorded_missed_not_run_after_resume() -> None:
+    """The whole cluster was down from after SLOT; meanwhile the job was paused (25_000) and
+    resumed (35_000). The slots before the pause were missed, not paused: they are counted and
+    recorded; the paused period's (30_000) are not; after the resume, catch-up as usual."""
+    job = make_job(every="10s")
+    _ran(job, SLOT)
+    JobState.objects.filter(name="job").update(
+        paused_at=store.slot_datetime(SLOT + 25_000), resumed_at=store.slot_datetime(SLOT + 35_000)
+    )
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 50_000)])
+    assert [r.slot for r in outcome.won] == [SLOT + 50_000]
+    before, after = sorted(outcome.missed, key=lambda run: run.slot)
+    assert (before.slot, before.status, before.reason) == (SLOT + 20_000, "missed", "scheduled")
+    assert before.detail.startswith("2 slot(s) missed from ") and "paused" in before.detail, before.detail
+    assert (after.slot, after.status) == (SLOT + 40_000, "missed") and after.detail.startswith("1 slot(s) missed")
+    assert JobState.objects.get(name="job").missed_count == 3
+    assert not Run.objects.filter(slot=SLOT + 30_000).exists()
+    # Another instance coming back now finds every slot accounted for.
+    again = decide([], [store.CatchUp(job, until=SLOT + 50_000)], owner="other")
+    assert again.won == [] and again.missed == [] and JobState.objects.get(name="job").missed_count == 3
 
 
 def test_slots_of_a_paused_period_are_not_caught_up_after_resume() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from django.db import transaction
@@ -287,7 +288,11 @@ def _expand_catch_ups(
         )
         if floor is None or state.paused:
             continue
-        resumed = int(state.resumed_at.timestamp() * 1000) if state.resumed_at is not None else None
+        # The job's last pause: from when it was paused until it was resumed (with no pause
+        # time on record, every slot before the resume counts as paused).
+        resumed, paused_from = _ms(state.resumed_at), _ms(state.paused_at)
+        if resumed is None or (paused_from is not None and paused_from >= resumed):
+            paused_from = None
         if catch_up.since is not None and catch_up.until < floor:
             # This instance came to these slots late, and the job's next slot is decided
             # already: whichever of them nobody decided was overtaken, and is recorded so.
@@ -296,12 +301,24 @@ def _expand_catch_ups(
             for _ in range(SHED_LIMIT):
                 if slot > catch_up.until:
                     break
-                if resumed is None or slot >= resumed:
+                if not _paused_then(slot, paused_from, resumed):
                     claims.append(Claim(job, slot, shed=BEHIND_DETAIL))
                 slot = job.schedule.next_after(slot)
             continue
-        if resumed is not None:
-            floor = max(floor, resumed)
+        if resumed is not None and resumed > floor:
+            if paused_from is not None and paused_from > floor:
+                # Slots due after the newest record and before the pause were the job's own:
+                # nobody ran them (the cluster was down), and they are recorded as missed. They
+                # are not run after the resume: the job was paused after them.
+                before, count = job.schedule.slots_between(floor, min(paused_from - 1, catch_up.until), 1)
+                if count:
+                    first = job.schedule.next_after(floor)
+                    detail = (
+                        f"{count} slot(s) missed from {_iso(first)} to {_iso(before[-1])} while no instance "
+                        f"ran them; not run after the job was paused and resumed"
+                    )
+                    missed.append(_missed(job.name, before[-1], count, detail, owner=owner, instance_id=instance_id))
+            floor = resumed
         came_back = decided_by_catch_up.get(job.name)
         if (
             came_back is not None
@@ -336,23 +353,33 @@ def _expand_catch_ups(
                 f"{not_run} slot(s) missed from {_iso(first)} to {_iso(newest_not_run)} while no instance "
                 f"ran them; catch_up={job.catch_up!r}"
             )
-            missed.append(
-                Run(
-                    job=job.name,
-                    slot=newest_not_run,
-                    attempt=1,
-                    status=Status.MISSED,
-                    reason=Reason.SCHEDULED,
-                    scheduled_at=slot_datetime(newest_not_run),
-                    instance_id=instance_id,
-                    owner=owner,
-                    created_at=DbNow(),
-                    finished_at=DbNow(),
-                    detail=detail,
-                )
-            )
-            JobState.objects.using(alias()).filter(name=job.name).update(missed_count=F("missed_count") + not_run)
-            logger.warning(
-                "Job %r: %s", job.name, detail, extra={"job": job.name, "missed": not_run, "instance": instance_id}
-            )
+            missed.append(_missed(job.name, newest_not_run, not_run, detail, owner=owner, instance_id=instance_id))
     return claims, missed
+
+
+def _paused_then(slot: int, paused_from: int | None, resumed: int | None) -> bool:
+    """Whether ``slot`` fell in the job's last pause (from ``paused_from``, or from ever, to ``resumed``)."""
+    return resumed is not None and slot < resumed and (paused_from is None or slot >= paused_from)
+
+
+def _ms(moment: datetime | None) -> int | None:
+    return None if moment is None else int(moment.timestamp() * 1000)
+
+
+def _missed(job: str, slot: int, count: int, detail: str, *, owner: str, instance_id: str) -> Run:
+    """The ``missed`` record of ``count`` slots up to ``slot`` (not yet saved); the job's count and a warning now."""
+    JobState.objects.using(alias()).filter(name=job).update(missed_count=F("missed_count") + count)
+    logger.warning("Job %r: %s", job, detail, extra={"job": job, "missed": count, "instance": instance_id})
+    return Run(
+        job=job,
+        slot=slot,
+        attempt=1,
+        status=Status.MISSED,
+        reason=Reason.SCHEDULED,
+        scheduled_at=slot_datetime(slot),
+        instance_id=instance_id,
+        owner=owner,
+        created_at=DbNow(),
+        finished_at=DbNow(),
+        detail=detail,
+    )

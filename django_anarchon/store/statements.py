@@ -54,7 +54,7 @@ _CLOCK_SQL: dict[tuple[Any, ...], tuple[str, list[Any]]] = {}  # see _clock_sql(
 _MOMENT = DateTimeField()  # prepares the moment of a db_not_before() as its compiled Value would
 _READERS: dict[tuple[Any, ...], tuple[list[str], list[tuple[int, Any]]]] = {}  # see _read()
 # What deciding slots reads of a job's row (see lock_states).
-_DECIDING = ("paused", "resumed_at", "pruned_slot")
+_DECIDING = ("paused", "resumed_at", "pruned_slot", "paused_at")
 M = TypeVar("M", bound=Model)
 # With skip_locked, how long the one-statement claim waits for a job row another
 # transaction holds (most often another instance's claim of the same slot, which takes
@@ -248,6 +248,7 @@ class Locked(NamedTuple):
     paused: bool
     resumed_at: datetime | None
     pruned_slot: int | None
+    paused_at: datetime | None = None  # when it was last paused (kept after a resume)
 
 
 # A job as nearly every row reads: running, never resumed, nothing pruned (one object for all of them).
@@ -283,16 +284,25 @@ def lock_states(names: Sequence[str], *, skip_locked: bool) -> dict[str, Locked]
         cursor.execute(select, params)
         rows = cursor.fetchall()
     found: dict[str, Locked] = {}
-    resumed_converters: tuple[Any, list[Any]] | None = None  # looked up at the first resumed job
-    for job, paused, resumed, pruned in rows:
+    converters: dict[str, tuple[Any, list[Any]]] = {}  # per datetime column, looked up when first needed
+
+    def moment(column: str, value: Any) -> datetime | None:
+        if value is None:
+            return None
+        if column not in converters:
+            converters[column] = _converters(connection, JobState, JobState._meta.get_field(column))
+        return _converted(value, converters[column], connection)
+
+    for job, paused, resumed, pruned, paused_at in rows:
         if not paused and resumed is None and pruned is None:
             found[job] = _PLAIN_STATE
             continue
-        if resumed is not None:
-            if resumed_converters is None:
-                resumed_converters = _converters(connection, JobState, JobState._meta.get_field("resumed_at"))
-            resumed = _converted(resumed, resumed_converters, connection)
-        found[job] = Locked(bool(paused), resumed, None if pruned is None else int(pruned))
+        found[job] = Locked(
+            bool(paused),
+            moment("resumed_at", resumed),
+            None if pruned is None else int(pruned),
+            moment("paused_at", paused_at),
+        )
     return found
 
 
