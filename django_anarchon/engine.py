@@ -53,7 +53,7 @@ from .recorder import Recorder
 from .registry import Job
 from .runner import Runner
 from .runs import ActiveRun, RunTable, log_fields
-from .slots import Batch, CatchUp, ShareOut, SlotQueue, draw_claim_ahead
+from .slots import Batch, CatchUp, ShareOut, SlotQueue, draw_claim_ahead, first_current
 
 logger = logging.getLogger("django_anarchon")
 BUSY_RETRY_MS = 20
@@ -435,7 +435,7 @@ class Engine:
         now = self.clock.now_ms()
         catch_ups = []
         for job in self.jobs.values():
-            until = job.schedule.latest_at_or_before(now - self.grace_ms)
+            until = job.schedule.latest_at_or_before(first_current(job.schedule, now, self.grace_ms) - 1)
             if until is not None:
                 catch_ups.append(CatchUp(job, until))
         for start in range(0, len(catch_ups), CATCH_UP_BATCH):

@@ -118,11 +118,25 @@ def plan_due(schedule: Schedule, next_slot: int, now_ms: int, grace_ms: int) -> 
         latest = schedule.latest_at_or_before(now_ms) or next_slot
     current = latest if now_ms - latest <= grace_ms else None
     until = None
-    if latest > next_slot or current is None:
-        stale = schedule.latest_at_or_before(now_ms - grace_ms)
-        if stale is not None and stale >= next_slot:
-            until = stale
+    if current is None:
+        until = latest
+    elif latest > next_slot:
+        # Every due slot before the current one goes to catch-up, those within the grace too:
+        # with jobs more frequent than the grace, only the newest is claimed as scheduled.
+        until = schedule.latest_at_or_before(latest - 1)
     return DuePlan(current, until, following if latest == next_slot else schedule.next_after(latest))
+
+
+def first_current(schedule: Schedule, now_ms: int, grace_ms: int) -> int:
+    """The first slot an instance starting at ``now_ms`` claims as scheduled; the ones before it are for catch-up.
+
+    The newest slot due, while it is no more than ``grace_ms`` old (the instance was
+    restarted just after it); otherwise the next one.
+    """
+    latest = schedule.latest_at_or_before(now_ms)
+    if latest is not None and now_ms - latest <= grace_ms:
+        return latest
+    return schedule.next_after(now_ms)
 
 
 def draw_claim_ahead(claim_ms: float, jitter_ms: float) -> int:
@@ -228,10 +242,10 @@ class SlotQueue:
         return self._next_slot[name]
 
     def seed(self, now_ms: int, grace_ms: int) -> None:
-        """Start every job at its first slot after the start-up grace (older ones were for catch-up)."""
+        """Start every job at its first current slot (:func:`first_current`; older ones were for catch-up)."""
         self._heap = []
         for job in self.jobs.values():
-            slot = job.schedule.next_after(now_ms - grace_ms - 1)
+            slot = first_current(job.schedule, now_ms, grace_ms)
             self._next_slot[job.name] = slot
             self._entry[job.name] = entry = next(self._entries)
             self._heap.append((slot, entry, job.name))
@@ -398,6 +412,7 @@ __all__ = [
     "ShareOut",
     "SlotQueue",
     "draw_claim_ahead",
+    "first_current",
     "plan_due",
     "share_index",
     "share_ranks",

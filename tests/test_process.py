@@ -217,6 +217,40 @@ def test_whole_cluster_down_over_slots_catches_up_the_latest_once(cluster: Clust
     assert Execution.objects.filter(job="every4", slot=caught.slot, reason="catch-up").count() == 1
 
 
+def test_after_an_outage_every_slot_of_a_job_more_frequent_than_the_grace_is_accounted_for(cluster: Cluster) -> None:
+    """At the default POLL_INTERVAL (1 s) a slot up to 2 s old still counts as current for an instance
+    starting up: four slots of a 500 ms job. Only the newest is claimed as scheduled; those before it
+    went to neither claim nor catch-up, and were lost without a record or a count."""
+    from django_anarchon.models import JobState
+
+    cluster.settings.update({"POLL_INTERVAL": 1.0, "LEASE_TTL": 5.0})
+    cluster.jobs = [{"name": "half", "every": "500ms", "kind": "record"}]
+    first = cluster.start("solo")
+    cluster.wait_ready(first)
+    wait_for(lambda: Run.objects.filter(job="half", status="success").count() >= 3, 10, what="three runs")
+    first.signal(signal.SIGTERM)
+    assert first.wait(20) == 0
+    down_from = max(r.slot for r in runs("half") if r.status == "success" and r.attempt == 1)
+    time.sleep(3.0)  # six slots nobody runs
+    again = cluster.start("again")
+    cluster.wait_ready(again)
+    back = time.time() * 1000
+    wait_for(
+        lambda: Run.objects.filter(job="half", slot__gt=back, status="success").count() >= 3, 10, what="runs again"
+    )
+    again.signal(signal.SIGTERM)
+    assert again.wait(20) == 0
+    rows = [r for r in runs("half") if r.slot > down_from]
+    newest = max(r.slot for r in rows if r.status != "pending")
+    decided = {r.slot for r in rows if r.status not in ("missed", "pending")}
+    missed = JobState.objects.get(name="half").missed_count
+    assert [r.reason for r in rows if r.reason == "catch-up"] == ["catch-up"], rows
+    assert len(decided) + missed == (newest - down_from) // 500, (
+        f"every slot after {down_from} up to {newest} run, skipped or counted missed: "
+        f"{sorted(decided)} and {missed} missed"
+    )
+
+
 # -- task jobs: three instances and a database worker ----------------------------------------------
 
 

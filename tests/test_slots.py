@@ -16,6 +16,7 @@ from django_anarchon.slots import (
     ShareOut,
     SlotQueue,
     draw_claim_ahead,
+    first_current,
     plan_due,
 )
 from django_anarchon.store import Outcome
@@ -43,6 +44,27 @@ def test_after_falling_behind_the_newest_slot_is_current_and_the_rest_go_to_catc
     assert plan_due(SECOND, T, T + 10_100, GRACE) == DuePlan(T + 10_000, T + 9_000, T + 11_000)
     # ... and if even the newest is too old, everything goes to catch-up.
     assert plan_due(SECOND, T, T + 10_500, GRACE) == DuePlan(None, T + 10_000, T + 11_000)
+
+
+def test_slots_within_the_grace_before_the_current_one_go_to_catch_up() -> None:
+    """With jobs more frequent than the grace, two slots or more can be within it: only the newest is
+    claimed as scheduled, and the ones before it go to catch-up, none left out (they were lost)."""
+    grace = 2_000
+    assert plan_due(SECOND, T, T + 1_500, grace) == DuePlan(T + 1_000, T, T + 2_000)
+    assert plan_due(SECOND, T, T + 2_100, grace) == DuePlan(T + 2_000, T + 1_000, T + 3_000)
+    assert plan_due(SECOND, T, T + 900, grace) == DuePlan(T, None, T + 1_000), "one slot due: nothing else"
+
+
+def test_an_instance_starting_claims_the_newest_slot_within_the_grace_and_catches_up_the_rest() -> None:
+    grace = 2_000
+    # Restarted 0.4 s after T+5s: T+5s is current; T+3s and T+4s, within the grace too, are for catch-up.
+    assert first_current(SECOND, T + 5_400, grace) == T + 5_000
+    queue = SlotQueue([build_job("interval", "a", "1s", lambda ctx: None, {})])
+    queue.seed(T + 5_400, grace)
+    assert queue.next_slot("a") == T + 5_000
+    # Past the grace: nothing due is current, the next slot is the first.
+    assert first_current(SECOND, T + 5_400, 300) == T + 6_000
+    assert first_current(SECOND, T + 5_000, 0) == T + 5_000, "a slot due this very instant is current"
 
 
 def test_cron_plans_follow_the_dst_rules() -> None:
