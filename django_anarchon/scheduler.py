@@ -116,11 +116,18 @@ class Scheduler(Declarations):
             return check_json(data, f"The data given to run_now({job.name!r})")
         return job.data if job.has_data else get_settings().data
 
-    def run_once(self, name: str, data: Any = None, *, instance_id: str | None = None) -> Run:
+    def run_once(
+        self, name: str, data: Any = None, *, instance_id: str | None = None, stop: threading.Event | None = None
+    ) -> Run | None:
         """Run job ``name`` once in this process, in the foreground, as a manual run.
 
         Waits while the job's overlap policy says another run must end first.
         Returns the finished run record. Used by ``manage.py anarchon --run``.
+
+        Once ``stop`` is set, the run is stopped as :meth:`stop` stops runs (its
+        signal aborts, the handler gets ``SHUTDOWN_GRACE``, a run interrupted is
+        handed over), and the record returned says how it ended; None if it was
+        set before the run could start (nothing was claimed).
         """
         from . import store
         from .engine import Engine
@@ -147,10 +154,14 @@ class Scheduler(Declarations):
                 if not waited:
                     waited = True
                     logger.info("Job %r is running elsewhere; waiting for that run to end", name)
-                sleep(settings.poll_interval)
+                if stop is None:
+                    sleep(settings.poll_interval)
+                elif stop.wait(settings.poll_interval):
+                    return None
             active = engine.adopt(run, sent)
             while active is not None and not active.finished.wait(0.2):
-                pass
+                if stop is not None and stop.is_set():
+                    break  # engine.stop() below stops it
         finally:
             engine.stop()
         run.refresh_from_db()

@@ -155,6 +155,37 @@ def test_sigterm_exits_0_after_the_grace_period_even_if_a_handler_never_ends(clu
     assert not Execution.objects.filter(job="deaf", event="end").exists()
 
 
+# A shell without job control starts background commands with SIGINT ignored; the command must stop on it.
+SIGINT_IGNORED = ["sh", "-c", 'trap "" INT; exec "$0" "$@"']
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_run_stops_its_run_on_sigint_or_sigterm_and_hands_it_over(cluster: Cluster, signum: int) -> None:
+    """``--run`` stops as the scheduler does: the signal aborts, the handler raising hands the run over."""
+    cluster.jobs = [{"name": "long", "every": ON_DEMAND, "kind": "sleep", "seconds": 60}]
+    node = cluster.start("cli", prefix=SIGINT_IGNORED, args=["--run", "long"])
+    wait_for(lambda: Execution.objects.filter(job="long", event="start").exists(), 20, what="the handler to start")
+    node.signal(signum)
+    assert node.wait(10) == 1, node.output()
+    assert "the run ended interrupted" in node.output()
+    assert "is stopping" in Execution.objects.get(job="long", event="aborted").note
+    run = Run.objects.get(job="long", attempt=1)
+    assert (run.status, run.manual) == ("interrupted", True)
+    assert Run.objects.get(job="long", slot=run.slot, attempt=2).status == "pending", "handed over"
+
+
+def test_run_exits_at_once_on_a_second_sigint(cluster: Cluster) -> None:
+    cluster.jobs = [{"name": "deaf", "every": ON_DEMAND, "kind": "stubborn", "seconds": 60}]
+    cluster.settings = {"SHUTDOWN_GRACE": 60}
+    node = cluster.start("cli", prefix=SIGINT_IGNORED, args=["--run", "deaf"])
+    wait_for(lambda: Execution.objects.filter(job="deaf").exists(), 20, what="the handler to start")
+    node.signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert node.alive(), "the first SIGINT waits for the grace period"
+    node.signal(signal.SIGINT)
+    assert node.wait(5) == 130
+
+
 def test_the_command_keeps_start_up_objects_out_of_garbage_collections(cluster: Cluster) -> None:
     """A full collection of a Django process took 15-20 ms and delayed every handler due meanwhile."""
     cluster.jobs = [{"name": "collector", "every": "1s", "kind": "gc"}]

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from argparse import ArgumentParser, ArgumentTypeError
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -165,10 +166,13 @@ class Command(BaseCommand):
             return set()
 
     def _run_one(self, name: str, data: Any, instance_id: str | None) -> None:
-        try:
-            run = scheduler.run_once(name, data, instance_id=instance_id)
-        except AnarchonError as error:
-            raise CommandError(str(error)) from None
+        with _stopped_by_signals() as stop:
+            try:
+                run = scheduler.run_once(name, data, instance_id=instance_id, stop=stop)
+            except AnarchonError as error:
+                raise CommandError(str(error)) from None
+        if run is None:
+            raise CommandError(f"stopped before job {name!r} could run (another run of it had not ended)")
         self.stdout.write(f"{run.job} slot={run.slot} attempt={run.attempt}: {run.status}")
         if run.status != "success":
             if run.traceback:
@@ -176,15 +180,7 @@ class Command(BaseCommand):
             raise CommandError(f"the run ended {run.status}: {run.error_type}: {run.error_message}".rstrip(": "))
 
     def _serve(self, instance_id: str | None) -> None:
-        stop = threading.Event()
-
-        def on_signal(signum: int, frame: Any) -> None:
-            if signum == signal.SIGINT and stop.is_set():
-                os._exit(130)  # a second Ctrl-C: leave now, leases expire on their own
-            stop.set()
-
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
+        with _stopped_by_signals() as stop:
             _freeze_startup_objects()
             try:
                 scheduler.start(instance_id=instance_id)
@@ -201,9 +197,28 @@ class Command(BaseCommand):
                 # handler's sync_to_async), so leave without waiting.
                 log.warning("Exiting without waiting for handlers that did not end within the grace period")
                 _flush_and_exit(0)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[threading.Event]:
+    """An event set by SIGTERM or SIGINT while inside; a second SIGINT exits at once (130).
+
+    Installed whatever was there before: a process started in the background by a
+    shell without job control inherits SIGINT ignored, and would never stop on it.
+    """
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and stop.is_set():
+            os._exit(130)  # a second Ctrl-C: leave now, leases expire on their own
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _refuse_unapplied_migrations(alias: str) -> None:
