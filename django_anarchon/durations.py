@@ -15,6 +15,9 @@ VALID_FORMS = (
     "a duration string such as '500ms', '10s', '5m', '1h', '1d' or '1h30m', "
     "a positive number of seconds, or a datetime.timedelta"
 )
+# The longest duration: a hundred years. Longer ones put slots and retention cut-offs out of
+# the range of a datetime (year 9999) and fail only later, where they are used.
+MAX_MS = 36_500 * _UNITS_MS["d"]
 
 
 def parse_duration_ms(value: object) -> int:
@@ -39,8 +42,10 @@ def parse_duration_ms(value: object) -> int:
         raise ValueError(f"{value!r} is too long to be a duration; use {VALID_FORMS}")
     if ms <= 0:
         raise ValueError(f"{value!r} is not positive; use {VALID_FORMS}")
+    if ms > MAX_MS:
+        raise ValueError(f"{value!r} is longer than the longest duration, {format_ms(MAX_MS)} (a hundred years)")
     if abs(ms - round(ms)) > 1e-6:
-        raise ValueError(f"{value!r} is not a whole number of milliseconds")
+        raise ValueError(f"{value!r} is not a whole number of milliseconds (the smallest unit is 1ms)")
     return int(round(ms))
 
 

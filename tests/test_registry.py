@@ -271,6 +271,7 @@ def test_non_callable_handler(sched: Scheduler, bad: object) -> None:
         (True, ["True", "not a duration"]),
         (None, ["None", "not a duration"]),
         ("0.5ms", ["'0.5ms'", "whole number of milliseconds"]),
+        ("5000000d", ["'5000000d'", "longer than the longest duration, 36500d"]),  # slots past the year 9999
     ],
 )
 def test_bad_interval(sched: Scheduler, interval: object, fragments: list[str]) -> None:
