@@ -62,6 +62,8 @@ HEADROOM_FACTOR = 8
 # How loud the end line of a run is, by the status recorded (anything else: INFO).
 END_LEVELS: dict[str, int] = {Status.FAILED: logging.ERROR, Status.INTERRUPTED: logging.WARNING}
 # An attempt's cause of ending, as log lines say it ("Run ended after it was timed out").
+# A handler ending this soon after its timeout aborted its signal honoured the signal (see finish()).
+PROMPT_END_S = 1.0
 CAUSE_WORDS = {"stop": "stopped", "timeout": "timed out", "lost": "lost", "fenced": "fenced"}
 
 
@@ -84,6 +86,7 @@ class ActiveRun:
         self.returned = False  # the handler is over (or never started): no longer uses a worker
         self.returned_at: float | None = None  # monotonic time it did
         self.cause: str | None = None
+        self.aborted_at: float | None = None  # monotonic time its signal aborted
         self.finished = Latch()  # set when its handler is over and its end recorded (or given up)
         self.ended = Latch()  # set when its end is recorded, given up, or decided elsewhere
         self.ran = False  # its handler was called
@@ -122,6 +125,7 @@ class ActiveRun:
             if self.signal.aborted:
                 return
             self.cause = cause
+            self.aborted_at = time.monotonic()
         self.signal.abort(reason)
 
 
@@ -274,7 +278,13 @@ class RunTable:
         if not active.begin_finish():
             cause = CAUSE_WORDS.get(active.cause or "", "ended")
             if started:
-                self._log_end(active, f"ended after it was {cause}", after="; its end changes nothing")
+                # A timed-out run has its end line already ("Run failed ... TimeoutError"): a handler
+                # that honoured its signal adds only a debug line; one that went on long after, a line.
+                level = logging.INFO
+                if active.cause == "timeout" and active.aborted_at is not None:
+                    late = (active.returned_at or time.monotonic()) - active.aborted_at
+                    level = logging.DEBUG if late < PROMPT_END_S else logging.INFO
+                self._log_end(active, f"ended after it was {cause}", level=level, after="; its end changes nothing")
             else:
                 self._log_end(active, f"not started: it was {cause} before its slot", level=logging.WARNING)
             self.exited(active)

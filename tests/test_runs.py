@@ -5,6 +5,7 @@ No database: the recorder is replaced by one that answers as the database would.
 
 from __future__ import annotations
 
+import logging
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -68,6 +69,33 @@ def test_a_handler_that_returned_before_its_deadline_succeeds_and_one_that_overr
     table.finish(late, None)
     statuses = {e.run.id: (e.status, e.error_type) for e in recorder.endings}
     assert statuses[2] == ("failed", "TimeoutError")
+
+
+def test_a_timed_out_run_has_one_end_line_unless_its_handler_goes_on_long_after(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SPEC 7 asks for one line per end: a timed-out run's is "Run failed ... TimeoutError". The line
+    for its handler's own end is a debug line when the handler honoured its signal, an INFO line when
+    it went on long after (its work may matter to whoever reads the log)."""
+    caplog.set_level(logging.DEBUG, logger="django_anarchon")
+    table = table_with()
+    prompt, stubborn = held(table, 1, timeout="1s"), held(table, 2, timeout="1s")
+    now = time.monotonic()
+    for active in (prompt, stubborn):
+        active.ran, active.started, active.deadline = True, now - 1.0, now - 0.01
+    table.time_out_overdue(now)
+    assert prompt.cause == stubborn.cause == "timeout" and prompt.aborted_at is not None
+    prompt.returned_at = prompt.aborted_at + 0.05  # raised as soon as its signal aborted
+    stubborn.returned_at = prompt.aborted_at + 30.0  # ignored it for half a minute
+    table.finish(prompt, TimeoutError("ran past its timeout"))
+    table.finish(stubborn, None)
+    late_ends = {
+        record.getMessage().split()[7]: record.levelno
+        for record in caplog.records
+        if record.getMessage().startswith("Run ended after it was timed out")
+    }
+    assert late_ends == {"job-1": logging.DEBUG, "job-2": logging.INFO}
+    assert [r.levelno for r in caplog.records if r.getMessage().startswith("Run failed")] == [logging.ERROR] * 2
 
 
 def test_a_stop_that_came_first_is_not_overtaken_by_the_timeout() -> None:
