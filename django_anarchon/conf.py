@@ -162,8 +162,10 @@ def parse(raw: Any) -> AnarchonSettings:
     unknown = sorted(set(raw) - set(DEFAULTS), key=str)
     if unknown:
         key = unknown[0]
-        close = difflib.get_close_matches(str(key), DEFAULTS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        # Matched in upper case: a key written in lower case ("lease_ttl") is one letter case away.
+        by_upper = {name.upper(): name for name in DEFAULTS}
+        close = difflib.get_close_matches(str(key).upper(), by_upper, n=1)
+        hint = f" Did you mean {by_upper[close[0]]!r}?" if close else ""
         raise SettingsError(key, f"unknown setting.{hint} Valid keys are: {', '.join(DEFAULTS)}.")
     values = {**DEFAULTS, **raw}
     instance_id = values["INSTANCE_ID"]

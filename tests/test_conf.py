@@ -86,7 +86,13 @@ def test_derived_values() -> None:
 
 @pytest.mark.parametrize(
     ("key", "suggestion"),
-    [("LEASE_TIL", "LEASE_TTL"), ("POLL_INTERVALS", "POLL_INTERVAL"), ("MAX_WORKER", "MAX_WORKERS")],
+    [
+        ("LEASE_TIL", "LEASE_TTL"),
+        ("POLL_INTERVALS", "POLL_INTERVAL"),
+        ("MAX_WORKER", "MAX_WORKERS"),
+        ("lease_ttl", "LEASE_TTL"),  # settings are upper case
+        ("Max_Workers", "MAX_WORKERS"),
+    ],
 )
 def test_unknown_key_suggests_the_close_match(key: str, suggestion: str) -> None:
     error = settings_error({key: 3}, f"ANARCHON[{key!r}]", "unknown setting", f"Did you mean {suggestion!r}?")
