@@ -731,6 +731,20 @@ def test_hand_over_leaves_the_next_attempt_pending_with_data_and_progress() -> N
     assert (third.attempt, third.owner, third.progress) == (2, "b", {"page": 7})
 
 
+def test_an_attempt_handed_over_before_its_slot_never_started() -> None:
+    """Claimed ahead and stopped before its slot: no start time later than its end (nor a duration)."""
+    second = int(time.time()) * 1000
+    ahead = decide([store.Claim(make_job(), second + 60_000)]).won[0]
+    assert Run.objects.get(pk=ahead.pk).started_at is not None, "claimed ahead: to start at its slot"
+    old, _ = store.hand_over(ahead.id, owner="me", detail="stopping")
+    assert (old.status, old.started_at, old.duration) == ("interrupted", None, None)
+    started = decide([store.Claim(make_job("past"), second - 1_000)]).won[0]
+    started_at = Run.objects.get(pk=started.pk).started_at
+    old, _ = store.hand_over(started.id, owner="me", detail="stopping")
+    assert started_at is not None and old.started_at == started_at, "it started: its start is kept"
+    assert old.duration is not None and old.duration >= timedelta(0)
+
+
 def test_a_handed_over_attempt_keeps_the_job_busy_for_skip() -> None:
     job = make_job(overlap="skip")
     run = decide([store.Claim(job, SLOT)]).won[0]

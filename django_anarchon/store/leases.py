@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from django.db import transaction
+from django.db.models import Case, F, Value, When
 
 from ..dbtime import DbNow, db_in
 from ..exceptions import AttemptsExhausted
@@ -128,7 +129,14 @@ def hand_over(
                 **_give_up_values(attempt, max_attempts, "stopped with its instance")
             ):
                 return _runs().get(id=run_id), None
-        won = held.update(status=Status.INTERRUPTED, finished_at=DbNow(), lease_expires_at=None, detail=detail)
+        won = held.update(
+            status=Status.INTERRUPTED,
+            finished_at=DbNow(),
+            lease_expires_at=None,
+            detail=detail,
+            # Claimed ahead and stopped before its slot: it never started, and says so.
+            started_at=Case(When(started_at__gt=DbNow(), then=Value(None)), default=F("started_at")),
+        )
         if not won:
             return None
         old = _runs().get(id=run_id)
