@@ -29,6 +29,8 @@ short and only make sense in the order this loop runs them.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import os
 import random
@@ -47,12 +49,12 @@ from .conf import AnarchonSettings
 from .dbtrouble import FAILED, DbTrouble
 from .keeper import Keeper
 from .listener import Listener, listening_available
-from .models import Run, Status
+from .models import Reason, Run, Status
 from .outbox import Outbox
 from .recorder import Recorder
 from .registry import Job
 from .runner import Runner
-from .runs import ActiveRun, RunTable, log_fields
+from .runs import ActiveRun, Phase, RunTable, log_fields
 from .slots import Batch, CatchUp, ShareOut, SlotQueue, draw_claim_ahead, first_current
 
 logger = logging.getLogger("django_anarchon")
@@ -68,6 +70,11 @@ TAKEOVER_RETRY_S = 0.05
 HOUSEKEEPING_EVERY_S = 3600.0
 UNDECLARED_GRACE_S = 3 * HOUSEKEEPING_EVERY_S
 CATCH_UP_BATCH = 500
+# A run claimed ahead waits for its slot, and a pause committed after its claim read the job's
+# row (up to CLAIM_AHEAD_MAX_MS before the slot) would not stop it: this long before the slot,
+# the loop reads the jobs' pause once more and withdraws the runs of the jobs paused since.
+PAUSE_CHECK_LEAD_MS = 20
+PAUSED_DETAIL = "the job was paused before its slot"
 
 
 class Engine:
@@ -135,6 +142,9 @@ class Engine:
         self.claim_ms = 20.0  # how long claiming transactions take here: recent highs, decaying
         self._peers_read_at = -PEERS_REFRESH_S
         self._alerting = [job for job in self.jobs.values() if job.alert_after_ms]
+        # Runs claimed ahead, by when their pause is looked at again (see PAUSE_CHECK_LEAD_MS).
+        self._pause_checks: list[tuple[int, int, list[ActiveRun]]] = []
+        self._pause_check_order = itertools.count()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -278,6 +288,8 @@ class Engine:
             self.queue.note_no_room(now_ms)
         elif self.queue.due(now_ms):
             self.dispatch_due()
+        if self._pause_checks and self._pause_checks[0][0] <= self.clock.now_ms():
+            self._withdraw_paused(self.clock.now_ms())
         mono = time.monotonic()
         if mono >= next_poll or self._poll_requested or mono >= self._takeover_at:
             self._poll_requested = False
@@ -291,6 +303,8 @@ class Engine:
             due_in = self.queue.wake_in_ms(self.clock.now_ms())
             if due_in is not None:
                 wait = min(wait, due_in / 1000)
+        if self._pause_checks:
+            wait = min(wait, (self._pause_checks[0][0] - self.clock.now_ms()) / 1000)
         self.trouble.end_turn()
         if wait > 0 and not self._poll_requested:
             self._wake.wait(wait)
@@ -396,7 +410,34 @@ class Engine:
         """Hold ``actives`` (all renewed at the same moment) and have them executed."""
         self.table.add_many(actives)
         self.keeper.held(actives[0])  # the one renewal moment they share decides for all
+        self._check_pauses_before_slots(actives)
         self.runner.start_many(actives)
+
+    def _check_pauses_before_slots(self, actives: list[ActiveRun]) -> None:
+        """Have the pause of the jobs of scheduled runs claimed ahead read again just before their slots."""
+        check_from = self.clock.now_ms() + PAUSE_CHECK_LEAD_MS
+        by_slot: dict[int, list[ActiveRun]] = {}
+        for active in actives:
+            run = active.run
+            if run.slot > check_from and run.reason == Reason.SCHEDULED and not run.manual:
+                by_slot.setdefault(run.slot, []).append(active)
+        for slot, ahead in by_slot.items():
+            heapq.heappush(self._pause_checks, (slot - PAUSE_CHECK_LEAD_MS, next(self._pause_check_order), ahead))
+
+    def _withdraw_paused(self, now_ms: int) -> None:
+        """Withdraw the runs claimed ahead whose jobs were paused since (their checks are due by ``now_ms``)."""
+        due: list[ActiveRun] = []
+        while self._pause_checks and self._pause_checks[0][0] <= now_ms:
+            due.extend(heapq.heappop(self._pause_checks)[2])
+        waiting = [active for active in due if active.state is Phase.RUNNING and not active.ran]
+        if not waiting:
+            return
+        paused = self.trouble.call(store.paused_among, {active.run.job for active in waiting})
+        if paused is FAILED or not paused:
+            return  # a failed look leaves them as claimed: the claim saw the job running
+        for active in waiting:
+            if active.run.job in paused:
+                self.table.withdraw(active, PAUSED_DETAIL)
 
     def adopt(self, run: Run, sent: float) -> ActiveRun | None:
         """Start executing a run this process has just won (claimed at monotonic ``sent``).

@@ -20,7 +20,7 @@ from .clock import Clock
 from .conf import check_json
 from .context import Context, make_context
 from .models import Reason
-from .runs import ActiveRun, Phase, RunTable, log_fields
+from .runs import ActiveRun, RunTable, log_fields
 from .taskjobs import TaskArguments
 from .workers import CLOCK_RECHECK_S, Starter, Workers, check_kept_connections, tidy_connections
 
@@ -268,12 +268,10 @@ class Runner:
         # and another instance has taken it over) is fenced here, and a run already
         # lost, fenced or stopped is never started and sends no run_started.
         self.table.fence_if_overdue(active)
-        if active.state is not Phase.RUNNING or active.signal.aborted:
+        if not active.begin_start():
             self.table.returned(active)
             self.table.finish(active, active.signal.reason, started=False)
             return
-        active.started = time.monotonic()
-        active.ran = True
         metrics.LATENESS.labels(run.job).observe(max(0.0, self.clock.exact_ms() - run.slot) / 1000)
         if active.job.timeout_ms:
             active.deadline = active.started + active.job.timeout_ms / 1000

@@ -60,11 +60,15 @@ class Phase(str, enum.Enum):
 QUICK_WINDOW_S = 0.1
 HEADROOM_FACTOR = 8
 # How loud the end line of a run is, by the status recorded (anything else: INFO).
-END_LEVELS: dict[str, int] = {Status.FAILED: logging.ERROR, Status.INTERRUPTED: logging.WARNING}
-# An attempt's cause of ending, as log lines say it ("Run ended after it was timed out").
+END_LEVELS: dict[str, int] = {
+    Status.FAILED: logging.ERROR,
+    Status.INTERRUPTED: logging.WARNING,
+    Status.SKIPPED: logging.WARNING,
+}
 # A handler ending this soon after its timeout aborted its signal honoured the signal (see finish()).
 PROMPT_END_S = 1.0
-CAUSE_WORDS = {"stop": "stopped", "timeout": "timed out", "lost": "lost", "fenced": "fenced"}
+# An attempt's cause of ending, as log lines say it ("Run ended after it was timed out").
+CAUSE_WORDS = {"stop": "stopped", "timeout": "timed out", "lost": "lost", "fenced": "fenced", "paused": "paused"}
 
 
 class ActiveRun:
@@ -104,6 +108,27 @@ class ActiveRun:
         """Claim the right to end this run; False if someone else already did."""
         with self._lock:
             if self._state is not Phase.RUNNING:
+                return False
+            self._state = Phase.FINISHING
+            return True
+
+    def begin_start(self) -> bool:
+        """Mark the handler as started; False if the run was ended, or its signal aborted, first.
+
+        Under the same lock as :meth:`withdraw`: a run is either started or
+        withdrawn, never both.
+        """
+        with self._lock:
+            if self._state is not Phase.RUNNING or self.signal.aborted:
+                return False
+            self.started = time.monotonic()
+            self.ran = True
+            return True
+
+    def withdraw(self) -> bool:
+        """Claim the right to end this run before its handler starts; False if it started (or ended) first."""
+        with self._lock:
+            if self._state is not Phase.RUNNING or self.ran:
                 return False
             self._state = Phase.FINISHING
             return True
@@ -299,6 +324,18 @@ class RunTable:
         else:
             self._record(active, Status.FAILED, error, leave=True)
 
+    def withdraw(self, active: ActiveRun, detail: str) -> bool:
+        """Record ``active`` skipped (``detail`` says why) if its handler has not started; False if it had.
+
+        For a run claimed ahead whose job was paused before its slot: it is
+        released from waiting at once and never started (see :meth:`ActiveRun.withdraw`).
+        """
+        if not active.withdraw():
+            return False
+        active.abort("paused", Interrupted(detail))
+        self._record(active, Status.SKIPPED, None, leave=False, detail=detail)
+        return True
+
     def lose(self, active: ActiveRun, why: str) -> None:
         """This process no longer holds ``active``: abort its handler, record nothing."""
         if not active.begin_finish():
@@ -475,14 +512,18 @@ class RunTable:
         else:
             self.on_exit(active)  # the job is free for its next slot; the handler still holds its worker
 
-    def _record(self, active: ActiveRun, status: str, error: BaseException | None, *, leave: bool) -> None:
+    def _record(
+        self, active: ActiveRun, status: str, error: BaseException | None, *, leave: bool, detail: str = ""
+    ) -> None:
         """Have a final status recorded for a run we are ending; then it is logged and signalled."""
         kind, message, text = describe_error(error) if error is not None else ("", "", "")
 
         def recorded(ours: Any) -> None:  # on the recorder's thread
-            self._recorded(active, ours, status, error, (kind, message, text), leave=leave)
+            self._recorded(active, ours, status, error, (kind, message, text), leave=leave, detail=detail)
 
-        ending = self._ending(active, recorded, status=status, error_type=kind, error_message=message, traceback=text)
+        ending = self._ending(
+            active, recorded, status=status, error_type=kind, error_message=message, traceback=text, detail=detail
+        )
         self.recorder.submit(ending)
 
     def _recorded(
@@ -494,6 +535,7 @@ class RunTable:
         texts: tuple[str, str, str] = ("", "", ""),
         *,
         leave: bool,
+        detail: str = "",
     ) -> None:
         """The end of ``active`` was written (``ours``), was no longer ours, or given up (None): log, signal."""
         run = active.run
@@ -510,13 +552,18 @@ class RunTable:
                 return
             run.status = status
             run.error_type, run.error_message, run.traceback = texts
+            run.detail = detail or run.detail
             run.finished_at = datetime.now(UTC)  # the row holds the database's clock; receivers get ours
-            metrics.RUNS.labels(run.job, status).inc()
+            if status != Status.SKIPPED:  # skipped slots are counted as such (below), not as runs
+                metrics.RUNS.labels(run.job, status).inc()
             if active.ran:
                 metrics.DURATION.labels(run.job).observe((active.returned_at or time.monotonic()) - active.started)
-            self._log_end(active, error=error)
+            self._log_end(active, error=error, after=f" ({detail})" if detail else "")
             if status == Status.SUCCESS:
                 self._announce(signals.run_succeeded, run=run)
+            elif status == Status.SKIPPED:
+                metrics.SKIPPED.labels(run.job, metrics.skip_reason(detail)).inc()
+                self._announce(signals.run_skipped, run=run)
             else:
                 self._announce(signals.run_failed, run=run, exception=error)
         finally:

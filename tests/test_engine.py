@@ -346,6 +346,38 @@ def test_a_paused_job_is_not_run(sched: Scheduler) -> None:
     assert not Run.objects.filter(job="paused").exists()
 
 
+def test_a_pause_between_a_claim_and_its_slot_withdraws_the_run(
+    sched: Scheduler, received: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slots are claimed ahead (here 0.6 s, at most a quarter of a second by default); a pause
+    committed after the claim read the job's row, before the slot, must still keep the run from
+    starting: it is withdrawn, recorded skipped, and run_skipped is sent."""
+    from django_anarchon import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "draw_claim_ahead", lambda claim_ms, jitter_ms: 600)
+    started: list[int] = []
+    sched.every("soon", "1s", lambda ctx: started.append(ctx.slot))
+    start(sched)
+    ahead = wait_for(
+        lambda: Run.objects.filter(job="soon", status="running", slot__gt=time.time() * 1000 + 150).first(),
+        5,
+        interval=0.01,
+        what="a run claimed ahead of its slot",
+    )
+    assert JobState.objects.get(name="soon").pause("maintenance")
+    row = wait_for(
+        lambda: Run.objects.filter(pk=ahead.pk, status="skipped").first(), 3, interval=0.01, what="its record"
+    )
+    assert row.detail == "the job was paused before its slot" and row.slot == ahead.slot
+    time.sleep(max(0.0, ahead.slot / 1000 + 0.3 - time.time()))
+    assert ahead.slot not in started, "withdrawn before its slot: never started"
+    skipped = wait_for(lambda: received["run_skipped"].calls, 2, what="run_skipped")
+    assert [call["run"].slot for call in skipped] == [ahead.slot]
+    assert not received["run_started"].calls or all(c["run"].slot < ahead.slot for c in received["run_started"].calls)
+    time.sleep(1.2)
+    assert not Run.objects.filter(job="soon", slot__gt=ahead.slot).exists(), "paused: no later slot decided"
+
+
 def test_run_now_is_picked_up_and_runs_as_manual(sched: Scheduler) -> None:
     seen: list[Context] = []
     sched.every("rare", ON_DEMAND, seen.append)

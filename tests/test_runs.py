@@ -98,6 +98,21 @@ def test_a_timed_out_run_has_one_end_line_unless_its_handler_goes_on_long_after(
     assert [r.levelno for r in caplog.records if r.getMessage().startswith("Run failed")] == [logging.ERROR] * 2
 
 
+def test_a_run_is_either_started_or_withdrawn_never_both() -> None:
+    recorder = FakeRecorder()
+    table = table_with(recorder)
+    started, withdrawn = held(table, 1), held(table, 2)
+    assert started.begin_start() and started.ran
+    assert not table.withdraw(started, "the job was paused before its slot"), "its handler started first"
+    assert recorder.endings == [] and not started.signal.aborted
+    assert table.withdraw(withdrawn, "the job was paused before its slot")
+    assert not withdrawn.begin_start(), "withdrawn first: never started"
+    assert withdrawn.signal.aborted and withdrawn.cause == "paused"
+    [ending] = recorder.endings
+    assert (ending.run.id, ending.status, ending.detail) == (2, "skipped", "the job was paused before its slot")
+    assert withdrawn.run.status == "skipped" and withdrawn.state is Phase.DONE
+
+
 def test_a_stop_that_came_first_is_not_overtaken_by_the_timeout() -> None:
     table = table_with()
     active = held(table, 1, timeout="1s")

@@ -115,6 +115,11 @@ def live_instances(within: float) -> list[str]:
     return statements.live_tokens(within)
 
 
+def paused_among(names: Iterable[str]) -> set[str]:
+    """Which of the jobs ``names`` are paused now (one SELECT, no lock)."""
+    return set(JobState.objects.using(alias()).filter(name__in=list(names), paused=True).values_list("name", flat=True))
+
+
 def database_time() -> datetime:
     """The database clock, read once."""
     vendor = _vendor()
