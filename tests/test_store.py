@@ -210,6 +210,13 @@ def test_deciding_reads_only_the_job_columns_it_uses() -> None:
     assert states["resumed"].paused_at == paused_at and states["resumed"].paused_at.utcoffset() is not None
 
 
+def test_paused_among_names_the_paused_jobs_of_those_asked_about() -> None:
+    for name, paused in (("a", True), ("b", False), ("it's", True), ("other", True)):
+        JobState.objects.create(name=name, first_seen=timezone.now(), paused=paused)
+    assert store.paused_among(["a", "b", "it's", "missing"]) == {"a", "it's"}
+    assert store.paused_among([]) == set()
+
+
 def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsewhere() -> None:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext

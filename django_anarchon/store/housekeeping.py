@@ -117,7 +117,7 @@ def live_instances(within: float) -> list[str]:
 
 def paused_among(names: Iterable[str]) -> set[str]:
     """Which of the jobs ``names`` are paused now (one SELECT, no lock)."""
-    return set(JobState.objects.using(alias()).filter(name__in=list(names), paused=True).values_list("name", flat=True))
+    return statements.paused_among(sorted(names))
 
 
 def database_time() -> datetime:
