@@ -28,11 +28,18 @@ class DuplicateJobError(JobDeclarationError):
     """Two jobs were declared with the same name."""
 
     def __init__(self, job: str, first: str, second: str) -> None:
-        super().__init__(
-            job,
-            f"this name is already used by {first}; it cannot also be given to "
-            f"{second}. Job names must be unique within the project.",
-        )
+        if first == second:
+            problem = (
+                f"it is declared twice for the same handler, {first}: is the declaration run twice "
+                "(a jobs module imported under two names, or declared in a loop)? "
+                "Job names must be unique within the project."
+            )
+        else:
+            problem = (
+                f"this name is already used by {first}; it cannot also be given to "
+                f"{second}. Job names must be unique within the project."
+            )
+        super().__init__(job, problem)
 
 
 class UnknownJobError(AnarchonError, LookupError):

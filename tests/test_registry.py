@@ -330,6 +330,15 @@ def test_duplicate_name_names_both_places(sched: Scheduler) -> None:
         decorator(other_sync)
 
 
+def test_the_same_handler_declared_twice_is_told_as_such(sched: Scheduler) -> None:
+    sched.every("sync", "10s", handler)
+    with pytest.raises(DuplicateJobError) as caught:
+        sched.every("sync", "10s", handler)
+    message = str(caught.value)
+    assert "declared twice for the same handler, tests.test_registry.handler:" in message, message
+    assert "imported under two names" in message and "must be unique" in message
+
+
 def test_same_name_in_two_schedulers_is_fine() -> None:
     first, second = Scheduler(), Scheduler()
     first.every("sync", "10s", handler)
