@@ -45,14 +45,19 @@ class DuplicateJobError(JobDeclarationError):
 class UnknownJobError(AnarchonError, LookupError):
     """A job name was given that no ``jobs.py`` declares."""
 
-    def __init__(self, job: str, known: list[str]) -> None:
+    def __init__(self, job: str, known: list[str], unloaded: list[str] | None = None) -> None:
         self.job = job
         if known:
             shown = ", ".join(repr(n) for n in sorted(known)[:20])
             more = f" (and {len(known) - 20} more)" if len(known) > 20 else ""
             hint = f"Declared jobs are: {shown}{more}."
-        else:
+        elif not unloaded:
             hint = "No jobs are declared: is 'django_anarchon' in INSTALLED_APPS and do your apps have a jobs.py?"
+        else:
+            hint = "No jobs are declared."
+        if unloaded:
+            modules = "; ".join(unloaded)
+            hint += f" These jobs modules declare a bad job, and none of their jobs is registered: {modules}"
         super().__init__(f"No job is named {job!r}. {hint}")
 
 

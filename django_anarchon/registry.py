@@ -118,7 +118,8 @@ class Registry:
         try:
             return self._jobs[name]
         except KeyError:
-            raise UnknownJobError(name, list(self._jobs)) from None
+            unloaded = [f"{module} ({error})" for module, error in self.errors]
+            raise UnknownJobError(name, list(self._jobs), unloaded) from None
 
     def names(self) -> list[str]:
         return list(self._jobs)

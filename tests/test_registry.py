@@ -154,6 +154,17 @@ def test_unknown_job(sched: Scheduler) -> None:
         Scheduler().job("anything")
 
 
+def test_an_unknown_job_names_the_jobs_modules_that_failed_to_load(sched: Scheduler) -> None:
+    """With the checks skipped (--skip-checks), a broken jobs.py registers none of its jobs: say so."""
+    sched.registry.errors.append(("billing.jobs", JobDeclarationError("sync", "bad interval: '10x'")))
+    with pytest.raises(UnknownJobError) as caught:
+        sched.job("sync")
+    message = str(caught.value)
+    assert "No jobs are declared. These jobs modules declare a bad job" in message, message
+    assert "billing.jobs (Job 'sync': bad interval: '10x')" in message
+    assert "INSTALLED_APPS" not in message
+
+
 # -- handlers ---------------------------------------------------------------------------------
 
 
