@@ -311,7 +311,9 @@ class RunTable:
                     level = logging.DEBUG if late < PROMPT_END_S else logging.INFO
                 self._log_end(active, f"ended after it was {cause}", level=level, after="; its end changes nothing")
             else:
-                self._log_end(active, f"not started: it was {cause} before its slot", level=logging.WARNING)
+                # A withdrawn run has its end line already ("Run skipped ... paused before its slot").
+                level = logging.DEBUG if active.cause == "paused" else logging.WARNING
+                self._log_end(active, f"not started: it was {cause} before its slot", level=level)
             self.exited(active)
             return
         if error is not None and active.signal.aborted and active.cause == "stop":

@@ -98,7 +98,7 @@ def test_a_timed_out_run_has_one_end_line_unless_its_handler_goes_on_long_after(
     assert [r.levelno for r in caplog.records if r.getMessage().startswith("Run failed")] == [logging.ERROR] * 2
 
 
-def test_a_run_is_either_started_or_withdrawn_never_both() -> None:
+def test_a_run_is_either_started_or_withdrawn_never_both(caplog: pytest.LogCaptureFixture) -> None:
     recorder = FakeRecorder()
     table = table_with(recorder)
     started, withdrawn = held(table, 1), held(table, 2)
@@ -111,6 +111,15 @@ def test_a_run_is_either_started_or_withdrawn_never_both() -> None:
     [ending] = recorder.endings
     assert (ending.run.id, ending.status, ending.detail) == (2, "skipped", "the job was paused before its slot")
     assert withdrawn.run.status == "skipped" and withdrawn.state is Phase.DONE
+    # Its worker, released at once, ends nothing more and adds no second end line.
+    caplog.set_level(logging.DEBUG, logger="django_anarchon")
+    table.finish(withdrawn, withdrawn.signal.reason, started=False)
+    ends = [r for r in caplog.records if "job-2" in r.getMessage() and r.getMessage().startswith("Run ")]
+    assert [(r.getMessage().split(":")[0], r.levelno) for r in ends] == [
+        ("Run skipped", logging.WARNING),
+        ("Run not started", logging.DEBUG),
+    ]
+    assert len(recorder.endings) == 1
 
 
 def test_a_stop_that_came_first_is_not_overtaken_by_the_timeout() -> None:
