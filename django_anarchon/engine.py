@@ -194,11 +194,27 @@ class Engine:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self.schedule_jobs:
-            self.trouble.call(store.unregister_instance, self.token)
+            self._unregister()
         connections.close_all()
         self.stopped.set()
         logger.info("Scheduler %s stopped", self.instance_id, extra={"instance": self.instance_id})
         return clean
+
+    def _unregister(self) -> None:
+        """Remove this instance's row from the live instances, on the thread that stops the engine.
+
+        That thread may not have queried since an outage killed its connection (the
+        loop's threads noticed, it did not): its first try then fails on the dead
+        connection, which is dropped, and a second goes on a fresh one.
+        """
+        for _ in range(2):
+            if self.trouble.call(store.unregister_instance, self.token) is not FAILED:
+                return
+        logger.warning(
+            "Could not remove instance %s from the live instances on stopping; it shows as stale until pruned",
+            self.instance_id,
+            extra={"instance": self.instance_id},
+        )
 
     @property
     def stopping(self) -> bool:

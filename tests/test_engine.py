@@ -906,3 +906,26 @@ def test_run_missed_is_sent_for_slots_nobody_ran(sched: Scheduler, received: Any
         assert missed.status == "missed" and missed.job == "weekly" and "slot(s) missed" in missed.detail
     finally:
         collector.close()
+
+
+def test_stopping_removes_the_instance_even_if_an_outage_killed_the_stopping_threads_connection(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread that stops the scheduler may not have queried since a database restart killed its
+    connection: its first statement on stopping fails, and the instance must not stay listed as live."""
+    sched.every("unregister-tick", "1h", lambda ctx: None)
+    start(sched, "dies-on-stop")
+    assert Instance.objects.filter(instance_id="dies-on-stop").exists()
+    real = store.unregister_instance
+    tries: list[str] = []
+
+    def dead_connection_first(token: str) -> None:
+        tries.append(token)
+        if len(tries) == 1:
+            raise OperationalError("terminating connection due to administrator command")
+        real(token)
+
+    monkeypatch.setattr(store, "unregister_instance", dead_connection_first)
+    assert sched.stop(timeout=5)
+    assert len(tries) == 2
+    assert not Instance.objects.filter(instance_id="dies-on-stop").exists()
