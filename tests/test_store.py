@@ -592,6 +592,24 @@ def test_slots_an_instance_came_to_late_are_recorded_overtaken_once_the_next_slo
     assert decide([], [store.CatchUp(job, until=SLOT + 20_000, since=SLOT + 10_000)], owner="again").skipped == []
 
 
+def test_slots_another_instance_recorded_missed_are_not_recorded_again_by_one_that_came_late() -> None:
+    """After an outage, the instance back first counts the slots nobody ran in one ``missed``
+    record (catch_up='none'); one whose loop was behind since before the outage comes to those
+    same slots later: they are accounted for already, and are not recorded skipped besides."""
+    job = make_job(every="10s", catch_up="none")
+    _ran(job, SLOT)
+    [missed] = decide([], [store.CatchUp(job, until=SLOT + 50_000)], owner="first").missed
+    assert missed.detail.startswith("5 slot(s) missed")
+    _ran(job, SLOT + 60_000)
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 40_000, since=SLOT + 10_000)], owner="late")
+    assert outcome.skipped == [] and outcome.won == []
+    assert JobState.objects.get(name="job").missed_count == 5
+    # Slots before the record's range are still recorded overtaken.
+    Run.objects.filter(status="missed").update(detail="3 slot(s) missed from ...")
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 40_000, since=SLOT + 10_000)], owner="later")
+    assert [r.slot for r in outcome.skipped] == [SLOT + 10_000, SLOT + 20_000]
+
+
 def test_slots_overtaken_in_a_paused_period_stay_unrecorded() -> None:
     job = make_job(every="10s")
     for slot in (SLOT, SLOT + 50_000):

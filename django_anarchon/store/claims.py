@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 from django.db.models import F, Q
@@ -32,6 +32,9 @@ from .base import (
     retry_deadlocks,
     slot_datetime,
 )
+
+if TYPE_CHECKING:
+    from ..registry import Job
 
 
 @retry_deadlocks
@@ -297,11 +300,14 @@ def _expand_catch_ups(
             # This instance came to these slots late, and the job's next slot is decided
             # already: whichever of them nobody decided was overtaken, and is recorded so.
             # (A paused period's slots stay unrecorded, as they would have been.)
+            # So is a range another instance recorded missed (its cluster-wide outage
+            # caught up) while this one was behind: counted once, there.
+            spans = _missed_spans(job, catch_up.since)
             slot = catch_up.since
             for _ in range(SHED_LIMIT):
                 if slot > catch_up.until:
                     break
-                if not _paused_then(slot, paused_from, resumed):
+                if not _paused_then(slot, paused_from, resumed) and not any(a <= slot <= b for a, b in spans):
                     claims.append(Claim(job, slot, shed=BEHIND_DETAIL))
                 slot = job.schedule.next_after(slot)
             continue
@@ -355,6 +361,23 @@ def _expand_catch_ups(
             )
             missed.append(_missed(job.name, newest_not_run, not_run, detail, owner=owner, instance_id=instance_id))
     return claims, missed
+
+
+def _missed_spans(job: Job, since: int) -> list[tuple[int, int]]:
+    """The ranges of ``job``'s slots from ``since`` on that ``missed`` records account for: (first, last).
+
+    A ``missed`` record is one row, at the newest of the slots it counts, for the
+    ``count`` slots of the job up to it (its detail begins with the count: see
+    :func:`_expand_catch_ups`); a record whose detail does not is its own slot only.
+    """
+    rows = _runs().filter(job=job.name, slot__gte=since, attempt=1, manual=False, status=Status.MISSED)
+    spans = []
+    for last, detail in rows.values_list("slot", "detail"):
+        head = (detail or "").split(" ", 1)[0]
+        covered, _ = job.schedule.slots_between(since - 1, last, int(head) if head.isdigit() else 1)
+        if covered:
+            spans.append((covered[0], last))
+    return spans
 
 
 def _paused_then(slot: int, paused_from: int | None, resumed: int | None) -> bool:
