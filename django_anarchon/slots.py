@@ -100,31 +100,32 @@ class DuePlan:
 
 
 def plan_due(schedule: Schedule, next_slot: int, now_ms: int, grace_ms: int) -> DuePlan:
-    """Decide what a due job needs at ``now_ms``.
+    """Decide what a due job needs at ``now_ms`` (the instance's horizon: now and its claim-ahead).
 
     A slot is *current* while it is no more than ``grace_ms`` old: it is claimed
-    as ``scheduled``. Older due slots, which this instance did not claim in time
-    (it was starting, frozen or cut off from the database), go to catch-up,
-    where the database decides whether anyone missed them.
+    as ``scheduled``, one slot a plan (the next plan starts after it; a job more
+    frequent than the claim-ahead has several current slots in one loop turn,
+    each claimed in its own plan, and none of them missed). Older due slots,
+    which this instance did not claim in time (it was starting, frozen or cut off
+    from the database), go to catch-up, where the database decides whether
+    anyone missed them.
     """
     if next_slot > now_ms:  # nothing due yet
         return DuePlan(None, None, next_slot)
     following = schedule.next_after(next_slot)
+    if now_ms - next_slot <= grace_ms:
+        # The common case: current. No backward search (it is the costly one for cron),
+        # and next_after() is memoised for jobs sharing the schedule.
+        return DuePlan(next_slot, None, following)
     if following > now_ms:
-        # The common case, one slot due: no backward search (it is the costly one
-        # for cron), and next_after() is memoised for jobs sharing the schedule.
-        latest = next_slot
-    else:
-        latest = schedule.latest_at_or_before(now_ms) or next_slot
-    current = latest if now_ms - latest <= grace_ms else None
-    until = None
-    if current is None:
-        until = latest
-    elif latest > next_slot:
-        # Every due slot before the current one goes to catch-up, those within the grace too:
-        # with jobs more frequent than the grace, only the newest is claimed as scheduled.
-        until = schedule.latest_at_or_before(latest - 1)
-    return DuePlan(current, until, following if latest == next_slot else schedule.next_after(latest))
+        return DuePlan(None, next_slot, following)  # the one slot due is past its grace
+    # Several slots due, the oldest past its grace: those past it go to catch-up, and the
+    # first current one after them (if any) is claimed.
+    stale = schedule.latest_at_or_before(now_ms - grace_ms - 1) or next_slot
+    current = schedule.next_after(stale)
+    if current <= now_ms:
+        return DuePlan(current, stale, schedule.next_after(current))
+    return DuePlan(None, stale, current)
 
 
 def first_current(schedule: Schedule, now_ms: int, grace_ms: int) -> int:
@@ -341,7 +342,7 @@ class SlotQueue:
                 continue
             if plan.claim is not None:
                 batch.claims.append(Claim(job, plan.claim))
-            batch.previous[name] = slot
+            batch.previous.setdefault(name, slot)  # the oldest: where to look again if undecided
             self.push(plan.next_slot, name, plan.next_slot)
         return batch
 
@@ -357,7 +358,7 @@ class SlotQueue:
             slot, following = following, job.schedule.next_after(following)
         if following > now_ms:
             batch.claims.append(Claim(job, slot))
-            batch.previous[name] = slot
+            batch.previous.setdefault(name, slot)
             self.push(following, name, following)
             return -1
         self._next_slot[name] = slot

@@ -46,13 +46,27 @@ def test_after_falling_behind_the_newest_slot_is_current_and_the_rest_go_to_catc
     assert plan_due(SECOND, T, T + 10_500, GRACE) == DuePlan(None, T + 10_000, T + 11_000)
 
 
-def test_slots_within_the_grace_before_the_current_one_go_to_catch_up() -> None:
-    """With jobs more frequent than the grace, two slots or more can be within it: only the newest is
-    claimed as scheduled, and the ones before it go to catch-up, none left out (they were lost)."""
+def test_every_current_slot_is_claimed_as_scheduled_one_plan_at_a_time() -> None:
+    """With jobs more frequent than the grace (or the claim-ahead), several slots are current at once:
+    each is claimed as scheduled in a plan of its own, oldest first, and none goes to catch-up (where
+    catch_up='none' counted it missed while the instance ran, and 'latest' ran it as a catch-up)."""
     grace = 2_000
-    assert plan_due(SECOND, T, T + 1_500, grace) == DuePlan(T + 1_000, T, T + 2_000)
-    assert plan_due(SECOND, T, T + 2_100, grace) == DuePlan(T + 2_000, T + 1_000, T + 3_000)
+    assert plan_due(SECOND, T, T + 1_500, grace) == DuePlan(T, None, T + 1_000)
+    assert plan_due(SECOND, T + 1_000, T + 1_500, grace) == DuePlan(T + 1_000, None, T + 2_000)
+    assert plan_due(SECOND, T + 2_000, T + 1_500, grace) == DuePlan(None, None, T + 2_000)
+    # The oldest is past its grace: it goes to catch-up, and the first current one after it is claimed.
+    assert plan_due(SECOND, T, T + 2_100, grace) == DuePlan(T + 1_000, T, T + 2_000)
     assert plan_due(SECOND, T, T + 900, grace) == DuePlan(T, None, T + 1_000), "one slot due: nothing else"
+
+
+def test_a_turn_whose_claim_ahead_spans_several_slots_of_a_job_claims_each_of_them() -> None:
+    every_100ms = build_job("interval", "often", "100ms", lambda ctx: None, {})
+    queue = queue_at([every_100ms], {"often": SLOT}, claim_ahead_ms=250)
+    batch = queue.take_due(SLOT, 500, lambda name, slot: True)
+    assert [claim.slot for claim in batch.claims] == [SLOT, SLOT + 100, SLOT + 200]
+    assert all(claim.reason == "scheduled" for claim in batch.claims) and batch.catch_ups == []
+    assert batch.previous == {"often": SLOT}, "undecided, the job is looked at again from its oldest slot"
+    assert queue.next_slot("often") == SLOT + 300
 
 
 def test_an_instance_starting_claims_the_newest_slot_within_the_grace_and_catches_up_the_rest() -> None:
