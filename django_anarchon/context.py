@@ -45,8 +45,9 @@ class Context:
     def save_progress(self, value: Any) -> None:
         """Store ``value`` (JSON) with the run for the next attempt; renews the lease.
 
-        Raises ``Interrupted`` if the run is no longer this instance's to write
-        (its lease was lost, or it timed out); after ``stop()`` it still saves,
+        Raises the signal's reason if the run is no longer this instance's to
+        write: ``Interrupted`` (its lease was lost), ``TimeoutError`` (it timed
+        out); nothing is stored. After ``stop()`` it still saves,
         so a handler can leave its note on the way out. In an ``async def``
         handler it works too, but blocks the event loop for the write:
         :meth:`asave_progress` does not.

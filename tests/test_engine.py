@@ -949,3 +949,24 @@ def test_a_job_more_frequent_than_the_claim_ahead_has_no_slot_missed_while_the_i
     for job in ("frequent-none", "frequent-latest"):
         slots = set(rows.filter(job=job).values_list("slot", flat=True))
         assert slots == set(range(first, last + 1, 100)), f"{job}: every slot has its row"
+
+
+def test_save_progress_after_a_timeout_stores_nothing_and_raises_the_timeout(sched: Scheduler) -> None:
+    """docs/handlers.md: past its timeout the run is no longer this instance's to write to."""
+    raised: list[BaseException] = []
+
+    def stubborn(ctx: Context) -> None:
+        while not ctx.signal.aborted:
+            time.sleep(0.01)
+        try:
+            ctx.save_progress({"page": 9})
+        except BaseException as error:  # noqa: BLE001 - what it raises is the point
+            raised.append(error)
+
+    sched.every("saves-late", ON_DEMAND, stubborn, timeout="200ms")
+    start(sched)
+    run_id = sched.run_now("saves-late").id
+    wait_for(lambda: raised, 5, what="save_progress() after the timeout")
+    assert isinstance(raised[0], TimeoutError), raised
+    [run] = finished("saves-late")
+    assert (run.id, run.status, run.error_type, run.progress) == (run_id, "failed", "TimeoutError", None)
