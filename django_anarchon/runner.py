@@ -13,12 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
-from django.db import connections
+from django.db import InterfaceError, OperationalError, connections
 
 from . import metrics, signals, store, taskjobs
-from .clock import Clock
+from .clock import Clock, sleep
 from .conf import check_json
 from .context import Context, make_context
+from .dbtrouble import reset_connection
 from .models import Reason
 from .runs import ActiveRun, RunTable, log_fields
 from .taskjobs import TaskArguments
@@ -37,6 +38,10 @@ STALL_S = 0.001
 STUCK_S = 0.005
 # How long to wait before trying again when no worker thread could be started.
 RETRY_S = 0.1
+# save_progress() on a database error: the first wait before trying again, and the longest
+# (doubling in between); it gives up when the run is fenced (see RunTable.fence_if_overdue).
+SAVE_RETRY_S = 0.05
+SAVE_RETRY_MAX_S = 1.0
 # How the learnt fan-out follows each solo run it learns from (a moving average).
 FANOUT_WEIGHT = 0.2
 # Learn from one solo run in this long at most: timing a call reads the thread's CPU time and its
@@ -318,12 +323,32 @@ class Runner:
                 # so "on abort, save the note, then raise" works; after a timeout
                 # or a lost lease there is nothing left to write to.
                 active.signal.throw_if_aborted()
-            sent = time.monotonic()
-            try:
-                ours = store.save_progress(run.id, value, owner=self.token, ttl=self.lease_ttl)
-            finally:
-                if active.job.is_async:
-                    connections.close_all()  # an executor thread's connection
+            delay, give_up_at = SAVE_RETRY_S, time.monotonic() + self.table.settings.fence_after
+            while True:
+                sent = time.monotonic()
+                try:
+                    ours = store.save_progress(run.id, value, owner=self.token, ttl=self.lease_ttl)
+                    break
+                except (OperationalError, InterfaceError):
+                    # The database went away for a moment (a restart, a failover): the note waits
+                    # for it as the lease's renewals do, and the run goes on. Never past the moment
+                    # the run is fenced, though (the handler gets the fence's Interrupted), nor
+                    # longer than that while renewals do go through (it gets the error).
+                    reset_connection(store.alias())
+                    now = time.monotonic()
+                    left = min(active.renewed_at + self.table.settings.fence_after, give_up_at) - now
+                    if left <= 0:
+                        self.table.fence_if_overdue(active, now)
+                        active.signal.throw_if_aborted()
+                        raise
+                    if active.cause == "stop":
+                        sleep(min(delay, left))  # the run is still ours after stop(): keep trying
+                    elif active.signal.wait(min(delay, left)):
+                        active.signal.throw_if_aborted()
+                    delay = min(2 * delay, SAVE_RETRY_MAX_S)
+                finally:
+                    if active.job.is_async:
+                        connections.close_all()  # an executor thread's connection
             if not ours:
                 self.table.lose(active, "its lease was lost while saving progress")
                 active.signal.throw_if_aborted()

@@ -970,3 +970,56 @@ def test_save_progress_after_a_timeout_stores_nothing_and_raises_the_timeout(sch
     assert isinstance(raised[0], TimeoutError), raised
     [run] = finished("saves-late")
     assert (run.id, run.status, run.error_type, run.progress) == (run_id, "failed", "TimeoutError", None)
+
+
+def test_save_progress_waits_out_a_database_blip_and_the_run_goes_on(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database restart of a fraction of a second while a handler saves its progress: the
+    note is saved once the database answers again, as a renewal would be, and the run succeeds."""
+    real = store.save_progress
+    tries: list[float] = []
+
+    def blip(run_id: int, value: Any, **kwargs: Any) -> bool:
+        tries.append(time.monotonic())
+        if len(tries) <= 2:
+            raise OperationalError("(2013, 'Lost connection to server during query')")
+        return real(run_id, value, **kwargs)
+
+    monkeypatch.setattr(store, "save_progress", blip)
+
+    def saves(ctx: Context) -> None:
+        ctx.save_progress({"page": 1})
+
+    sched.every("saves-through", ON_DEMAND, saves)
+    start(sched)
+    run_id = sched.run_now("saves-through").id
+    [run] = finished("saves-through")
+    assert (run.id, run.status, run.progress, run.error_type) == (run_id, "success", {"page": 1}, "")
+    assert len(tries) == 3
+
+
+def test_save_progress_in_an_outage_gets_the_fence_not_the_database_error(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database stays away: neither the note nor the renewals get through, and the handler is
+    told to stop with the fence's Interrupted (SPEC 6: self-fencing), not a raw OperationalError."""
+    raised: list[BaseException] = []
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("connection refused")
+
+    def saves(ctx: Context) -> None:
+        monkeypatch.setattr(store, "save_progress", down)
+        monkeypatch.setattr(store, "renew", down)
+        try:
+            ctx.save_progress({"page": 1})
+        except BaseException as error:  # noqa: BLE001 - what it raises is the point
+            raised.append(error)
+            raise
+
+    sched.every("saves-in-outage", ON_DEMAND, saves)
+    start(sched)
+    sched.run_now("saves-in-outage")
+    wait_for(lambda: raised, 10, what="save_progress() to give up")
+    assert isinstance(raised[0], Interrupted) and "could not renew the lease" in str(raised[0]), raised
