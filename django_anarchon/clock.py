@@ -52,6 +52,15 @@ class Clock:
         return step if abs(step) > self.STEP_S else 0.0
 
 
+def describe_offset(offset_ms: float) -> str:
+    """How a host's clock stands against the database's, in words: ``"4.2s ahead of"``.
+
+    ``offset_ms`` is the database clock minus the host's (:func:`clock_offset`), so a
+    host whose clock is ahead has a negative offset.
+    """
+    return f"{abs(offset_ms) / 1000:.1f}s {'ahead of' if offset_ms < 0 else 'behind'}"
+
+
 def _uncertainty_ms(rtt: float) -> float:
     """How far a clock sample's offset can be from the truth: half its round trip, plus 1 ms of resolution."""
     return rtt / 2 + 1.0

@@ -31,16 +31,25 @@ class Context:
     data: Any
     progress: Any = None
     _save: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
+    _recheck: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def sleep(self, seconds: float) -> None:
-        """Sleep, but raise the signal's reason as soon as it aborts."""
-        if self.signal.wait(seconds):
-            self.signal.throw_if_aborted()
+        """Sleep, but raise the signal's reason as soon as it aborts.
+
+        Also raises on waking from a sleep that outlasted the run's lease (the
+        process was frozen, the host suspended): the run may be another
+        instance's by then, so the handler hears ``Interrupted`` before it does
+        anything more, not at its next check.
+        """
+        if not self.signal.wait(seconds) and self._recheck is not None:
+            self._recheck()
+        self.signal.throw_if_aborted()
 
     async def asleep(self, seconds: float) -> None:
         """The asyncio twin of :meth:`sleep`."""
-        if await self.signal.wait_async(seconds):
-            self.signal.throw_if_aborted()
+        if not await self.signal.wait_async(seconds) and self._recheck is not None:
+            self._recheck()
+        self.signal.throw_if_aborted()
 
     def save_progress(self, value: Any) -> None:
         """Store ``value`` (JSON) with the run for the next attempt; renews the lease.

@@ -44,7 +44,7 @@ from typing import Any
 from django.db import connections
 
 from . import metrics, signals, store
-from .clock import Clock, ClockEstimate
+from .clock import Clock, ClockEstimate, describe_offset
 from .conf import AnarchonSettings
 from .dbtrouble import FAILED, DbTrouble
 from .keeper import Keeper
@@ -540,8 +540,8 @@ class Engine:
         if abs(self.clock.offset_ms) > 1000 and "skew" not in self._warned:
             self._warned.add("skew")
             logger.warning(
-                "This host's clock is %.1fs off the database's; slots follow the database clock",
-                self.clock.offset_ms / 1000,
+                "This host's clock is %s the database's; slots follow the database clock",
+                describe_offset(self.clock.offset_ms),
                 extra={"instance": self.instance_id},
             )
 

@@ -14,6 +14,7 @@ from datetime import timedelta
 from django.db import DatabaseError, connections
 
 from . import store
+from .clock import describe_offset
 from .conf import get_settings
 from .models import Instance
 
@@ -69,7 +70,7 @@ def check_health(instance_id: str | None = None) -> Health:
         if now - row.last_heartbeat > stale_after:
             problems.append(f"{row.instance_id}: no heartbeat for {age:.0f}s (loop stopped, or database unreachable)")
         elif row.clock_offset_ms is not None and abs(row.clock_offset_ms) > MAX_CLOCK_OFFSET_MS:
-            problems.append(f"{row.instance_id}: its clock is {row.clock_offset_ms / 1000:+.1f}s off the database's")
+            problems.append(f"{row.instance_id}: its clock is {describe_offset(row.clock_offset_ms)} the database's")
         else:
             live.append(row.instance_id)
     if live:

@@ -366,6 +366,9 @@ class Runner:
             data=run.data,
             progress=run.progress,
             _save=save,
+            # A sleep that outlasted the lease (the process was frozen) wakes before the
+            # keeper has looked: the handler is fenced at once rather than let go on.
+            _recheck=lambda: self.table.fence_if_overdue(active),
         )
 
     def _call(self, active: ActiveRun) -> BaseException | None:

@@ -48,7 +48,9 @@ def test_one_instance_can_be_checked_by_its_id() -> None:
 def test_an_instance_whose_clock_is_off_the_databases_is_not_healthy() -> None:
     instance("skewed", offset_ms=-4200.0)
     health = check_health("skewed")
-    assert not health.ok and "its clock is -4.2s off the database's" in health.reason
+    assert not health.ok and "its clock is 4.2s ahead of the database's" in health.reason
+    instance("slow", offset_ms=3100.0)
+    assert "its clock is 3.1s behind the database's" in check_health("slow").reason
 
 
 def test_an_unreachable_database_is_unhealthy(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -144,6 +144,34 @@ def test_a_run_whose_lease_may_have_run_out_while_it_waited_for_its_slot_is_neve
     assert active.state is Phase.DONE and table.get(7) is None
 
 
+def test_a_handler_waking_from_a_sleep_that_outlasted_its_lease_is_fenced_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frozen in ``ctx.sleep()`` (SIGSTOP) past the lease: on waking, the sleep raises ``Interrupted``.
+
+    The keeper may not have come round yet when the handler's sleep ends; had the
+    sleep returned, the handler would go on with a run another instance may hold.
+    """
+    runner, table, ends = make_runner(monkeypatch)
+    after: list[str] = []
+    asleep = threading.Event()
+
+    def sleeper(ctx: Any) -> None:
+        asleep.set()
+        ctx.sleep(0.4)
+        after.append("went on")
+
+    active = hold(table, build_job("interval", "sleeper", "10000d", sleeper, {}), 9, int(time.time() * 1000) - 5)
+    runner.start(active)
+    assert asleep.wait(5), "the handler did not start"
+    active.renewed_at = time.monotonic() - 100  # the freeze: no renewal for far longer than the lease
+    wait_for(lambda: len(ends.calls) == 1, 5, what="the run to end")
+    [(ended, error, started)] = ends.calls
+    assert after == [], "the handler went on after a sleep that outlasted its lease"
+    assert isinstance(error, Interrupted) and "could not renew the lease" in str(error) and started
+    assert active.cause == "fenced"
+
+
 def test_a_run_stopped_before_its_slot_is_ended_without_starting(monkeypatch: pytest.MonkeyPatch) -> None:
     runner, table, ends = make_runner(monkeypatch)
     called: list[Any] = []
