@@ -108,7 +108,8 @@ def check_json(value: Any, where: str) -> Any:
     Besides what ``json.dumps`` refuses, that rules out what it would silently
     change (a tuple comes back as a list, the key ``1`` as ``"1"``) and what a
     database refuses to store (the character NUL, which PostgreSQL's ``jsonb``
-    rejects): the data of a run must be the same on every attempt and instance.
+    rejects, and lone surrogates such as ``"\\ud800"``, which no database takes as
+    text): the data of a run must be the same on every attempt and instance.
     """
     problem = _json_problem(value, "", 0)
     if problem is not None:
@@ -126,7 +127,18 @@ def _json_problem(value: Any, path: str, depth: int) -> str | None:
         return None  # json.dumps reports the recursion
     at = f" at {path}" if path else ""
     if isinstance(value, str):
-        return f"the string{at} contains the character NUL (\\x00), which databases refuse" if "\x00" in value else None
+        if "\x00" in value:
+            return f"the string{at} contains the character NUL (\\x00), which databases refuse"
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as error:
+                bad = f"\\u{ord(value[error.start]):04x}"
+                return (
+                    f"the string{at} contains a lone surrogate ({bad}), which is not Unicode text and which "
+                    "databases refuse; decode bytes with errors='replace', or pass them as base64"
+                )
+        return None
     if isinstance(value, tuple):
         return f"the tuple{at} would come back as a list; pass a list"
     if isinstance(value, dict):

@@ -429,7 +429,16 @@ def test_self_referencing_data_is_rejected(sched: Scheduler) -> None:
     declaration_error(lambda: sched.every("sync", "10s", handler, data=loop), "Job 'sync'", "JSON-serialisable")
 
 
-@pytest.mark.parametrize("data", [None, 0, "", [], {}, {"ville": "Zürich", "emoji": "✓"}, [1, 2.5, True, None]])
+@pytest.mark.parametrize("data", [{"path": "caf\udce9.txt"}, ["\ud800"], {"\udfff": 1}])
+def test_data_with_a_lone_surrogate_is_refused_where_it_is_given(sched: Scheduler, data: object) -> None:
+    """Valid for json.dumps, refused by the databases (PostgreSQL: a DataError in the loop's claim, no job ran)."""
+    error = declaration_error(lambda: sched.every("sync", "10s", handler, data=data), "Job 'sync'", "lone surrogate")
+    assert "errors='replace'" in str(error)
+
+
+@pytest.mark.parametrize(
+    "data", [None, 0, "", [], {}, {"ville": "Zürich", "emoji": "✓", "astral": "\U0001f600"}, [1, 2.5, True, None]]
+)
 def test_json_data_is_kept(sched: Scheduler, data: object) -> None:
     sched.every("sync", "10s", handler, data=data)
     job = sched.job("sync")
