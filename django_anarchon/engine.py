@@ -70,6 +70,8 @@ TAKEOVER_RETRY_S = 0.05
 HOUSEKEEPING_EVERY_S = 3600.0
 UNDECLARED_GRACE_S = 3 * HOUSEKEEPING_EVERY_S
 CATCH_UP_BATCH = 500
+# After an unexpected error (not a database outage) during start-up, the wait before trying again.
+STARTUP_RETRY_S = 5.0
 # A run claimed ahead waits for its slot, and a pause committed after its claim read the job's
 # row (up to CLAIM_AHEAD_MAX_MS before the slot) would not stop it: this long before the slot,
 # the loop reads the jobs' pause once more and withdraws the runs of the jobs paused since.
@@ -267,7 +269,16 @@ class Engine:
     def _run_loop(self) -> None:
         try:
             while not self._stopping.is_set():
-                ready = self._startup()
+                try:
+                    ready = self._startup()
+                except Exception:
+                    # Not a database outage (those are retried inside): said loudly and tried
+                    # again, rather than the loop thread dying while the process looks started.
+                    logger.exception(
+                        "Unexpected error while the scheduler started; trying again in %ss", STARTUP_RETRY_S
+                    )
+                    self._stopping.wait(STARTUP_RETRY_S)
+                    continue
                 self.trouble.end_turn()
                 if ready:
                     break

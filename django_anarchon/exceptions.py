@@ -76,11 +76,11 @@ class DataNotSerializableError(AnarchonError, TypeError):
 
 
 class SettingsError(AnarchonError, ValueError):
-    """The ``ANARCHON`` settings dict holds an unknown key or a bad value."""
+    """The ``ANARCHON`` settings dict holds an unknown key or a bad value (or another setting breaks the scheduler)."""
 
-    def __init__(self, key: str | None, problem: str) -> None:
+    def __init__(self, key: str | None, problem: str, *, setting: str = "ANARCHON") -> None:
         self.key = key
-        where = f"ANARCHON[{key!r}]: " if key is not None else "ANARCHON: "
+        where = f"{setting}[{key!r}]: " if key is not None else f"{setting}: "
         super().__init__(f"{where}{problem}")
 
 

@@ -57,13 +57,31 @@ class Scheduler(Declarations):
         return self._engine.instance_id if self._engine else None
 
     def start(self, *, instance_id: str | None = None) -> None:
-        """Start claiming and running this scheduler's jobs in background threads."""
+        """Start claiming and running this scheduler's jobs in background threads.
+
+        Raises on the configuration mistakes the system checks report as errors.
+        """
+        from django.core.checks import Tags, run_checks
+        from django.db import DatabaseError
+
+        from . import store
         from .engine import Engine
 
         settings = get_settings()
         found = problems(settings)
         if found:
             raise SettingsError(None, found[0])
+        # What the command's system checks refuse beyond the ANARCHON dict (parsed above):
+        # USE_TZ = False (E001), a MySQL session not in UTC (E002).
+        reported = list(run_checks(tags=["anarchon"]))
+        try:
+            reported += run_checks(tags=[Tags.database], databases=[store.alias()])
+        except DatabaseError:
+            pass  # unreachable for now: the loop waits for it
+        for message in reported:
+            setting = {"anarchon.E001": "USE_TZ", "anarchon.E002": "DATABASES"}.get(message.id or "")
+            if setting is not None:
+                raise SettingsError(None, f"{message.msg} {message.hint}", setting=setting)
         if self.registry.errors:
             module, error = self.registry.errors[0]
             raise JobDeclarationError(error.job, f"{error.problem} (in {module}; fix it before starting the scheduler)")

@@ -584,6 +584,40 @@ def test_start_refuses_settings_that_break_the_guarantees(sched: Scheduler) -> N
     assert not sched.running
 
 
+def test_start_refuses_use_tz_false_as_the_system_check_does(sched: Scheduler) -> None:
+    """Embedded: the loop thread died on its first query and the scheduler looked started, running nothing."""
+    from django_anarchon import SettingsError
+
+    with override_settings(USE_TZ=False), pytest.raises(SettingsError, match=r"^USE_TZ: .*needs USE_TZ = True"):
+        sched.start()
+    assert not sched.running
+
+
+def test_an_unexpected_error_while_starting_is_logged_and_tried_again(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from django_anarchon import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "STARTUP_RETRY_S", 0.1)
+    real, calls = store.ensure_jobs, []
+
+    def fails_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("not a database error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "ensure_jobs", fails_once)
+    sched.every("tick", "1s", lambda ctx: None)
+    sched.start()
+    try:
+        assert sched.wait_started(10), "the scheduler never started after one unexpected error"
+    finally:
+        sched.stop(5)
+    assert len(calls) == 2
+    assert any("Unexpected error while the scheduler started" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
 # -- bad input never stops the scheduler --------------------------------------------------
 
 
@@ -599,6 +633,8 @@ def test_run_now_rejects_unknown_jobs_and_non_json_data_at_the_call(sched: Sched
         sched.run_now("known", data={"when": time})
     with pytest.raises(TypeError):
         sched.run_now("known", data={1, 2})
+    with pytest.raises(DataNotSerializableError, match=r"run_now\('known'\).*lone surrogate \(\\udce9\)"):
+        sched.run_now("known", data="caf\udce9")  # MariaDB: "could not find a free slot"; PostgreSQL: a DataError
     assert not Run.objects.exists()
 
 
