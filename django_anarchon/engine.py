@@ -70,6 +70,8 @@ TAKEOVER_RETRY_S = 0.05
 HOUSEKEEPING_EVERY_S = 3600.0
 UNDECLARED_GRACE_S = 3 * HOUSEKEEPING_EVERY_S
 CATCH_UP_BATCH = 500
+# On stopping, the least time the signal thread gets to send what is queued (see Engine.stop).
+SIGNALS_GRACE_S = 5.0
 # After an unexpected error (not a database outage) during start-up, the wait before trying again.
 STARTUP_RETRY_S = 5.0
 # A run claimed ahead waits for its slot, and a pause committed after its claim read the job's
@@ -192,7 +194,9 @@ class Engine:
         for thread in self._threads:
             thread.join(2.0)
         self.recorder.stop()
-        self.outbox.close()
+        # The signals of the last ends (failure alerts among them) get what is left of the grace,
+        # and at least SIGNALS_GRACE_S: a grace spent on handlers must not cost the alerts.
+        self.outbox.close(max(deadline - time.monotonic(), SIGNALS_GRACE_S))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self.schedule_jobs:

@@ -295,6 +295,14 @@ class Runner:
                 extra=log_fields(run, self.instance_id),
             )
         job = active.job
+        if active.signal.aborted:
+            # Stopped, timed out, fenced or lost while run_started's receivers ran (a slow one can
+            # outlast SHUTDOWN_GRACE, and the run is handed over meanwhile): the handler is not
+            # called, as if it had raised the signal's reason at once, so that it cannot run here
+            # after the next attempt was given to another instance.
+            self.table.returned(active)
+            self.table.finish(active, active.signal.reason)
+            return
         check_kept_connections()
         if job.task is not None:
             arguments = job.task_arguments or TaskArguments(data=False)

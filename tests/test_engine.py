@@ -274,6 +274,31 @@ def test_progress_is_seen_by_the_next_attempt_on_another_instance(sched: Schedul
     assert Run.objects.get(job="cp", slot=run.slot, attempt=2).manual is True
 
 
+def test_a_failure_alert_slower_than_two_seconds_is_still_sent_when_the_scheduler_stops(sched: Scheduler) -> None:
+    """The signal thread had 2 s on stopping: a slow mail server's alert was cut off (or never sent)."""
+    alerted = threading.Event()
+    calling = threading.Event()
+
+    def slow_alert(sender: Any, run: Any, **kwargs: Any) -> None:
+        calling.set()
+        time.sleep(2.5)  # an SMTP server taking its time
+        alerted.set()
+
+    def fails(ctx: Context) -> None:
+        raise RuntimeError("the export failed")
+
+    sched.every("export", ON_DEMAND, fails)
+    signals.run_failed.connect(slow_alert, weak=False)
+    try:
+        start(sched)
+        sched.run_now("export")
+        assert calling.wait(10), "run_failed was not sent"
+        sched.stop(timeout=1)  # a deploy: a short grace, the handlers long done
+        assert alerted.is_set(), "the alert was cut off when the scheduler stopped"
+    finally:
+        signals.run_failed.disconnect(slow_alert)
+
+
 def test_signal_receivers_that_raise_are_logged_and_change_nothing(
     sched: Scheduler, caplog: pytest.LogCaptureFixture
 ) -> None:

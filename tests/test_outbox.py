@@ -47,3 +47,32 @@ def test_the_signal_thread_drops_its_kept_connection_once_the_scheduler_met_a_da
     assert seen[0] is seen[1], "kept between signals"
     assert seen[2] is not seen[1], "dropped after the scheduler's database error: the receiver connected afresh"
     assert seen[3] is seen[2]
+
+
+def test_signals_left_unsent_when_the_outbox_closes_are_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A receiver slower than the time left on stopping: the alerts queued behind it are not lost unsaid."""
+    from types import SimpleNamespace
+
+    from django_anarchon import signals
+
+    gate = threading.Event()
+    seen: list[str] = []
+
+    def slow(sender: Any, run: Any, **kwargs: Any) -> None:
+        seen.append(run.job)
+        gate.wait(10)  # a mail server that does not answer
+
+    signals.run_failed.connect(slow, weak=False)
+    outbox = Outbox()
+    try:
+        for job in ("first", "second", "third"):
+            outbox(signals.run_failed, run=SimpleNamespace(job=job, slot=1000, attempt=1), exception=None)
+        wait_for(lambda: seen == ["first"], 5, what="the first receiver call")
+        outbox.close(0.2)
+    finally:
+        gate.set()
+        signals.run_failed.disconnect(slow)
+    [warning] = [r for r in caplog.records if "not sent" in r.getMessage()]
+    message = warning.getMessage()
+    assert "2 signal(s) not sent" in message
+    assert "run_failed second slot=1000 attempt=1; run_failed third slot=1000 attempt=1" in message

@@ -172,6 +172,31 @@ def test_a_handler_waking_from_a_sleep_that_outlasted_its_lease_is_fenced_at_onc
     assert active.cause == "fenced"
 
 
+def test_a_handler_is_not_called_when_its_run_was_stopped_while_run_started_receivers_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slow run_started receiver outlasting SHUTDOWN_GRACE: the run was handed over meanwhile.
+
+    Calling the handler after that would run the slot twice (here and as the next attempt).
+    """
+    runner, table, ends = make_runner(monkeypatch)
+    called: list[Any] = []
+    active = hold(table, build_job("interval", "charge", "10000d", called.append, {}), 11, int(time.time() * 1000) - 5)
+
+    def slow_receiver(sender: Any, run: Any, **kwargs: Any) -> None:
+        active.abort("stop", Interrupted("the scheduler is stopping"))  # stop() while the receiver runs
+
+    signals.run_started.connect(slow_receiver)
+    try:
+        runner.start(active)
+        wait_for(lambda: len(ends.calls) == 1, 5, what="the run to end")
+    finally:
+        signals.run_started.disconnect(slow_receiver)
+    [(ended, error, started)] = ends.calls
+    assert called == [], "the handler was called after its run had been stopped"
+    assert ended is active and isinstance(error, Interrupted) and started
+
+
 def test_a_run_stopped_before_its_slot_is_ended_without_starting(monkeypatch: pytest.MonkeyPatch) -> None:
     runner, table, ends = make_runner(monkeypatch)
     called: list[Any] = []
