@@ -22,7 +22,7 @@ the database at each scrape, so any process can report them.
 ``anarchon_lease_renewals_total{result}``           renewal statements: ok, failed
 ``anarchon_claims_total{result}``                   slots claimed: won, lost (decided elsewhere)
 ``anarchon_instances_alive``                        instances with a recent heartbeat (database)
-``anarchon_job_last_success_age_seconds{job}``      since each job's last success (database)
+``anarchon_job_last_success_age_seconds{job}``      without a success, as ``job_overdue`` counts (database)
 =================================================  ==========================================
 """
 
@@ -220,7 +220,9 @@ class ClusterCollector:
     def _families() -> tuple[Any, Any]:
         alive = GaugeMetricFamily("anarchon_instances_alive", "Scheduler instances with a recent heartbeat.")
         age = GaugeMetricFamily(
-            "anarchon_job_last_success_age_seconds", "Seconds since each job's last successful run.", labels=["job"]
+            "anarchon_job_last_success_age_seconds",
+            "Seconds since each job's last successful run (or first sighting, or resume; paused jobs left out).",
+            labels=["job"],
         )
         return alive, age
 
@@ -236,22 +238,30 @@ class ClusterCollector:
 
         from . import store
         from .conf import get_settings
-        from .models import Instance, Run, Status
+        from .models import Instance, JobState, Run, Status
 
         alive, age = self._families()
         try:
             now = store.database_time()
             fresh = now - timedelta(seconds=3 * get_settings().heartbeat_every)
             alive.add_metric([], Instance.objects.using(store.alias()).filter(last_heartbeat__gte=fresh).count())
-            last = (
+            last = dict(
                 Run.objects.using(store.alias())
                 .filter(status=Status.SUCCESS)
                 .values("job")
                 .annotate(at=Max("finished_at"))
+                .values_list("job", "at")
             )
-            for row in last:
-                if row["at"] is not None:
-                    age.add_metric([row["job"]], (now - row["at"]).total_seconds())
+            # Counted as job_overdue counts: a job that never succeeded (or whose last success was
+            # pruned) from when it was first seen, one resumed since from its resume; a paused job
+            # has no series (its slots are not run, so it is not overdue).
+            states = JobState.objects.using(store.alias()).filter(paused=False)
+            for name, first_seen, resumed_at in states.values_list("name", "first_seen", "resumed_at"):
+                since = last.get(name) or first_seen
+                if resumed_at is not None and (since is None or resumed_at > since):
+                    since = resumed_at
+                if since is not None:
+                    age.add_metric([name], (now - since).total_seconds())
         except DatabaseError as error:
             logger.warning("Could not read the cluster metrics from the database (%s)", error)
             return

@@ -133,6 +133,13 @@ def test_an_overdue_alert_is_claimed_once_per_lapse_however_many_instances_look(
     JobState.objects.filter(name="nightly").update(paused=True)
     JobState.objects.filter(name="nightly").update(overdue_alerted_at=None)
     assert store.claim_overdue_alerts(jobs) == [], "a paused job is not overdue"
+    # Resumed after a pause longer than alert_after: counted from the resume, not from the last
+    # success (the alert came at once, before the job had had a single slot).
+    JobState.objects.get(name="nightly").resume()
+    assert store.claim_overdue_alerts(jobs) == [], "resumed a moment ago: not overdue yet"
+    JobState.objects.filter(name="nightly").update(resumed_at=timezone.now() - timedelta(hours=2, minutes=1))
+    [after_resume] = store.claim_overdue_alerts(jobs)
+    assert timedelta(hours=2) < after_resume.without_success < timedelta(hours=2, minutes=2)
 
 
 @pytest.mark.process

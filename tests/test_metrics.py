@@ -41,7 +41,7 @@ def test_the_command_serves_metrics_that_move_under_real_runs(cluster: Cluster) 
         {"name": "spare", "every": ON_DEMAND},
     ]
     port = free_port()
-    node = cluster.start("metered", args=["--metrics-port", str(port)])
+    node = cluster.start("metered", args=["--metrics-port", str(port), "--metrics-address", "127.0.0.1"])
     cluster.wait_ready(node)
     text = wait_for(
         lambda: (t := scrape(port)) and value(t, "anarchon_runs_total", job="tick", status="success") >= 2 and t,
@@ -55,10 +55,10 @@ def test_the_command_serves_metrics_that_move_under_real_runs(cluster: Cluster) 
     assert value(text, "anarchon_lease_renewals_total", result="ok") >= 0
     assert value(text, "anarchon_instances_alive") == 1, "read from the database at the scrape"
     assert value(text, "anarchon_job_last_success_age_seconds", job="tick") < 5
-    assert (
-        "anarchon_job_last_success_age_seconds" in text
-        and 'job="broken"' not in text.split("anarchon_job_last_success_age_seconds")[-1]
-    ), "a job that never succeeded has no age"
+    # A job that never succeeded counts from when it was first seen (as job_overdue does), so an
+    # alert on the gauge fires for a job failing since its deploy.
+    assert 'anarchon_job_last_success_age_seconds{job="broken"}' in text
+    assert 0 <= value(text, "anarchon_job_last_success_age_seconds", job="broken") < 30
 
 
 def test_the_web_process_reads_the_cluster_figures_from_the_database() -> None:
@@ -67,15 +67,23 @@ def test_the_web_process_reads_the_cluster_figures_from_the_database() -> None:
     from prometheus_client import generate_latest
 
     from django_anarchon import store
-    from django_anarchon.models import Instance, Run
+    from django_anarchon.models import Instance, JobState, Run
 
     now = store.database_time()
     Instance.objects.create(token="t", instance_id="i", host="h", pid=1, started_at=now, last_heartbeat=now)
-    Run.objects.create(job="report", slot=1, attempt=1, status="success", reason="scheduled",
-                       scheduled_at=now, finished_at=now - timedelta(seconds=90))  # fmt: skip
+    for name in ("report", "never", "paused", "resumed"):
+        JobState.objects.create(name=name, first_seen=now - timedelta(days=30))
+    for name in ("report", "paused", "resumed"):
+        Run.objects.create(job=name, slot=1, attempt=1, status="success", reason="scheduled",
+                           scheduled_at=now, finished_at=now - timedelta(seconds=90))  # fmt: skip
+    JobState.objects.get(name="paused").pause("maintenance")
+    JobState.objects.filter(name="resumed").update(resumed_at=now - timedelta(seconds=30))
     text = generate_latest().decode()
     assert value(text, "anarchon_instances_alive") == 1
     assert 89 <= value(text, "anarchon_job_last_success_age_seconds", job="report") < 120
+    assert value(text, "anarchon_job_last_success_age_seconds", job="never") >= 30 * 86400, "never succeeded"
+    assert 'anarchon_job_last_success_age_seconds{job="paused"}' not in text, "a paused job is not overdue: no series"
+    assert 29 <= value(text, "anarchon_job_last_success_age_seconds", job="resumed") < 60, "counted from its resume"
 
 
 def test_skip_reasons_and_missed_counts_are_read_from_the_records() -> None:

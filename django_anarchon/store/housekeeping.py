@@ -217,14 +217,15 @@ class Overdue:
 
     job: str
     last_success: datetime | None
-    without_success: timedelta  # since the last success, or since the job was first seen
+    without_success: timedelta  # since the last success (or the job's first sighting, or its resume if later)
 
 
 def claim_overdue_alerts(jobs: Iterable[Job]) -> list[Overdue]:
     """The jobs among ``jobs`` (those with ``alert_after``) now overdue whose alert this caller is to send.
 
     A job is overdue when its last success (or, if it never succeeded, when it was
-    first seen) is older than its ``alert_after`` by the database clock. The alert
+    first seen; or its resume, if it was paused since) is older than its
+    ``alert_after`` by the database clock; a paused job is never overdue. The alert
     is claimed by a conditional UPDATE of the job's ``overdue_alerted_at`` (only
     if no alert was sent since the last success), so one instance of the
     cluster sends it, once per lapse; a success afterwards arms it again.
@@ -243,8 +244,11 @@ def claim_overdue_alerts(jobs: Iterable[Job]) -> list[Overdue]:
     )
     states = JobState.objects.using(db).filter(name__in=list(wanted), paused=False)
     found = []
-    for name, first_seen, alerted in states.values_list("name", "first_seen", "overdue_alerted_at"):
+    rows = states.values_list("name", "first_seen", "resumed_at", "overdue_alerted_at")
+    for name, first_seen, resumed_at, alerted in rows:
         since = last.get(name) or first_seen
+        if resumed_at is not None and (since is None or resumed_at > since):
+            since = resumed_at  # paused meanwhile: its slots were not run; count from the resume
         if since is None:
             continue
         silent = now - since

@@ -70,6 +70,12 @@ class Command(BaseCommand):
             metavar="PORT",
             help="Serve Prometheus metrics on this port (needs django-anarchon[prometheus]).",
         )
+        parser.add_argument(
+            "--metrics-address",
+            default="0.0.0.0",  # noqa: S104 - a metrics endpoint is meant to be scraped
+            metavar="ADDRESS",
+            help="The address --metrics-port listens on (default 0.0.0.0, every interface; 127.0.0.1: this host only).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         self._configure_logging(options["verbosity"])
@@ -100,7 +106,7 @@ class Command(BaseCommand):
             from django_anarchon import metrics
 
             try:
-                metrics.serve(options["metrics_port"])
+                metrics.serve(options["metrics_port"], options["metrics_address"])
             except (AnarchonError, OSError) as error:
                 raise CommandError(f"--metrics-port: {error}") from None
         self._serve(options["instance_id"])
