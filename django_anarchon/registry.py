@@ -52,6 +52,10 @@ class Job:
     def has_data(self) -> bool:
         return self.data is not UNSET
 
+    def timeout_error(self) -> TimeoutError:
+        """What a run past ``timeout`` is recorded failed with (and its signal aborts with)."""
+        return TimeoutError(f"Job {self.name!r} ran past its timeout of {(self.timeout_ms or 0) / 1000:g}s")
+
     @property
     def is_task_job(self) -> bool:
         return self.task is not None

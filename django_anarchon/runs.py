@@ -189,8 +189,7 @@ def log_fields(run: Run, instance_id: str) -> dict[str, Any]:
 
 
 def timeout_error(active: ActiveRun) -> TimeoutError:
-    seconds = (active.job.timeout_ms or 0) / 1000
-    return TimeoutError(f"Job {active.job.name!r} ran past its timeout of {seconds:g}s")
+    return active.job.timeout_error()
 
 
 def describe_loss(row: Run) -> str:

@@ -18,6 +18,7 @@ in this process (its own threads and connections, a recorded manual run), as
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,7 +121,8 @@ def run_job(
     (its ``sync_to_async`` calls use this thread's connection). The outcome is
     what the run would be recorded as: ``success`` if the handler returned,
     ``interrupted`` if it raised ``Interrupted``, ``failed`` if it raised
-    anything else. Nothing is recorded. A task job's task is enqueued instead
+    anything else, or ran past the job's ``timeout`` (the signal aborts with
+    ``TimeoutError`` then, as in the scheduler). Nothing is recorded. A task job's task is enqueued instead
     (with ``slot=`` and, where it takes it, ``data=``); the outcome's ``result``
     says what was enqueued, and a task the immediate backend ran and saw raise
     is ``failed`` with :class:`TaskFailed`.
@@ -156,6 +158,13 @@ def run_job(
             return Outcome("failed", error, None, progress, ctx)
         return Outcome("success", None, enqueued, progress, ctx)
     handler = job.handler
+    # The job's timeout, as the scheduler applies it: the signal aborts with TimeoutError when it
+    # passes, and a handler still running then is failed with it, whatever it does afterwards.
+    timer, timed_out = None, job.timeout_error()
+    if job.timeout_ms:
+        timer = threading.Timer(job.timeout_ms / 1000, ctx.signal.abort, (timed_out,))
+        timer.daemon = True
+        timer.start()
     try:
         if job.is_async:
             result = async_to_sync(handler)(ctx)
@@ -164,10 +173,16 @@ def run_job(
             if inspect.isawaitable(result):  # a callable object that returned a coroutine
                 result = async_to_sync(_await)(result)
     except Interrupted as error:
-        return Outcome("interrupted", error, None, saved[-1] if saved else progress, ctx)
+        outcome = Outcome("interrupted", error, None, saved[-1] if saved else progress, ctx)
     except BaseException as error:  # noqa: B036 - as the scheduler does: every ending is an outcome
-        return Outcome("failed", error, None, saved[-1] if saved else progress, ctx)
-    return Outcome("success", None, result, saved[-1] if saved else progress, ctx)
+        outcome = Outcome("failed", error, None, saved[-1] if saved else progress, ctx)
+    else:
+        outcome = Outcome("success", None, result, saved[-1] if saved else progress, ctx)
+    if timer is not None:
+        timer.cancel()
+        if ctx.signal.reason is timed_out:
+            return Outcome("failed", timed_out, None, outcome.progress, ctx)
+    return outcome
 
 
 async def _await(awaitable: Any) -> Any:

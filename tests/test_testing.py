@@ -67,6 +67,30 @@ def test_failures_and_interruptions_are_outcomes_not_exceptions() -> None:
     assert stopped.status == "interrupted" and isinstance(stopped.error, Interrupted)
 
 
+def test_a_run_past_the_jobs_timeout_fails_with_timeout_error_as_the_scheduler_records_it() -> None:
+    scheduler = Scheduler()
+    seen: list[Any] = []
+
+    def honours(ctx: Context) -> None:
+        ctx.sleep(5)  # raises TimeoutError once the timeout passes
+
+    def ignores(ctx: Context) -> None:
+        seen.append(ctx.signal.wait(1))  # the signal aborts at 0.2 s; it returns anyway
+
+    scheduler.every("honours", "1m", honours, timeout="200ms")
+    scheduler.every("ignores", "1m", ignores, timeout="200ms")
+    scheduler.every("quick", "1m", lambda ctx: "done", timeout="5s")
+    for name in ("honours", "ignores"):
+        outcome = run_job(name, scheduler=scheduler)
+        assert outcome.status == "failed", (name, outcome)
+        assert isinstance(outcome.error, TimeoutError)
+        assert str(outcome.error) == f"Job {name!r} ran past its timeout of 0.2s"
+    assert seen == [True]
+    quick = run_job("quick", scheduler=scheduler)
+    assert (quick.status, quick.result) == ("success", "done")
+    assert not quick.context.signal.aborted, "the timer is cancelled once the handler returns"
+
+
 def test_make_context_checks_what_the_scheduler_checks() -> None:
     saved: list[Any] = []
     ctx = make_context("report", slot=1_800_000_000_000, data={"a": 1}, attempt=2, reason="takeover",
