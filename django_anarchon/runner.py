@@ -300,6 +300,7 @@ class Runner:
             # outlast SHUTDOWN_GRACE, and the run is handed over meanwhile): the handler is not
             # called, as if it had raised the signal's reason at once, so that it cannot run here
             # after the next attempt was given to another instance.
+            tidy_connections()  # the receivers may have used this thread's connections
             self.table.returned(active)
             self.table.finish(active, active.signal.reason)
             return
