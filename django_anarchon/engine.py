@@ -70,6 +70,8 @@ TAKEOVER_RETRY_S = 0.05
 HOUSEKEEPING_EVERY_S = 3600.0
 UNDECLARED_GRACE_S = 3 * HOUSEKEEPING_EVERY_S
 CATCH_UP_BATCH = 500
+# A host clock this far off the database's (ms) is warned about (and again when it moves as much).
+SKEW_WARN_MS = 1000.0
 # On stopping, the least time the signal thread gets to send what is queued (see Engine.stop).
 SIGNALS_GRACE_S = 5.0
 # After an unexpected error (not a database outage) during start-up, the wait before trying again.
@@ -142,6 +144,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
         self._warned: set[str] = set()
+        self._skew_warned_ms: float | None = None  # the clock offset last warned about, while it lasts
         self._next_prune = 0.0  # the first housekeeping turn prunes, then hourly
         self.claim_ms = 20.0  # how long claiming transactions take here: recent highs, decaying
         self._peers_read_at = -PEERS_REFRESH_S
@@ -552,11 +555,21 @@ class Engine:
             if value is FAILED:
                 return
             self.clock.offset_ms = self.estimate.add(before, after, value.timestamp())
-        if abs(self.clock.offset_ms) > 1000 and "skew" not in self._warned:
-            self._warned.add("skew")
-            logger.warning(
-                "This host's clock is %s the database's; slots follow the database clock",
-                describe_offset(self.clock.offset_ms),
+        offset, warned = self.clock.offset_ms, self._skew_warned_ms
+        if abs(offset) > SKEW_WARN_MS:
+            # Said again when it changes by as much (a clock stepped or drifting further).
+            if warned is None or abs(offset - warned) > SKEW_WARN_MS:
+                self._skew_warned_ms = offset
+                logger.warning(
+                    "This host's clock is %s the database's; slots follow the database clock",
+                    describe_offset(offset),
+                    extra={"instance": self.instance_id},
+                )
+        elif warned is not None:
+            self._skew_warned_ms = None
+            logger.info(
+                "This host's clock agrees with the database's again (within %.0f ms)",
+                SKEW_WARN_MS,
                 extra={"instance": self.instance_id},
             )
 

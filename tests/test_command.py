@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,28 @@ def test_list_shows_jobs_schedules_next_due_times_and_pauses(cluster: Cluster) -
     assert "cron 30 2 * * * (Europe/Paris)" in paris and "PAUSED" in paris
     assert ("CET" in paris or "CEST" in paris) and ":30:00" in paris
     assert tick.index("next ") == paris.index("next "), "the columns line up, however long a schedule"
+
+
+def test_list_shows_next_due_times_by_the_database_clock_on_a_host_whose_clock_is_off(cluster: Cluster) -> None:
+    """Slots follow the database clock; --list on a host an hour ahead showed them an hour late."""
+    from datetime import datetime, timedelta
+    from datetime import timezone as tz
+
+    from tests.conftest import FAKETIME_LIB, vendor
+
+    if vendor() == "sqlite":
+        pytest.skip("not applicable to SQLite: its clock is the calling process's (docs/reliability.md)")
+    assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run the clock-skew test"
+    cluster.jobs = [{"name": "often", "every": "1500ms", "kind": "record"}]
+    skewed = {"LD_PRELOAD": str(FAKETIME_LIB), "FAKETIME": "+1h", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    before = datetime.now(tz.utc)
+    result = cluster.manage("anarchon", "--list", extra_env=skewed)
+    assert result.returncode == 0, result.stderr
+    shown = re.search(r"next (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{3})?) UTC", result.stdout)
+    assert shown, result.stdout
+    due = datetime.fromisoformat(shown.group(1)).replace(tzinfo=tz.utc)
+    assert before - timedelta(seconds=1) < due < before + timedelta(seconds=10), (due, before)
+    assert due.microsecond in (0, 500_000), "a 1500ms job's slot shown to the millisecond"
 
 
 def test_run_runs_one_job_in_the_foreground_as_manual(cluster: Cluster) -> None:

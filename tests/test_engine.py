@@ -643,6 +643,38 @@ def test_an_unexpected_error_while_starting_is_logged_and_tried_again(
     assert any("Unexpected error while the scheduler started" in r.getMessage() and r.exc_info for r in caplog.records)
 
 
+def test_the_clock_offset_warning_is_said_again_when_the_offset_moves_and_its_end_is_said(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Warned once per process before: a host that drifted or was stepped later was never warned about."""
+    from datetime import datetime
+    from datetime import timezone as tz
+
+    from tests.conftest import vendor
+
+    if vendor() == "sqlite":
+        pytest.skip("not applicable to SQLite: its clock is the calling process's (docs/reliability.md)")
+    sched.every("spare", ON_DEMAND, lambda ctx: None)
+    start(sched)
+    engine = running_engine(sched)
+    sched.stop(2)  # its loop measures every few seconds: only this test's measurements now
+    offset = {"s": 0.0}
+    monkeypatch.setattr(store, "database_time", lambda: datetime.fromtimestamp(time.time() + offset["s"], tz=tz.utc))
+
+    def measure(seconds: float) -> list[str]:
+        offset["s"] = seconds
+        caplog.clear()
+        engine.estimate.forget()  # as after a step: the old samples no longer count
+        engine._measure_clock(samples=1)
+        return [r.getMessage() for r in caplog.records if "clock" in r.getMessage()]
+
+    assert measure(5.0) == ["This host's clock is 5.0s behind the database's; slots follow the database clock"]
+    assert measure(5.3) == [], "the same offset, give or take: said once"
+    assert measure(-30.0) == ["This host's clock is 30.0s ahead of the database's; slots follow the database clock"]
+    assert measure(0.0) == ["This host's clock agrees with the database's again (within 1000 ms)"]
+    assert measure(0.0) == []
+
+
 # -- bad input never stops the scheduler --------------------------------------------------
 
 

@@ -137,14 +137,14 @@ class Command(BaseCommand):
         if not jobs:
             self.stdout.write("No jobs are declared. Add a jobs.py to an installed app.")
             return
-        now = int(datetime.now(timezone.utc).timestamp() * 1000)
+        now = int(self._now().timestamp() * 1000)
         paused = self._paused_names()
         width = max(len(j.name) for j in jobs)
         schedule_width = max(len(j.schedule.describe()) for j in jobs)
         for job in jobs:
             due = datetime.fromtimestamp(job.schedule.next_after(now) / 1000, tz=timezone.utc)
             tz = getattr(job.schedule, "tz", None)
-            local = f" ({due.astimezone(tz):%Y-%m-%d %H:%M:%S %Z})" if tz is not None else ""
+            local = f" ({_when(due.astimezone(tz))} {due.astimezone(tz):%Z})" if tz is not None else ""
             flags = [f"overlap={job.overlap}", f"catch_up={job.catch_up}"]
             if job.timeout_ms:
                 flags.append(f"timeout={job.timeout_ms / 1000:g}s")
@@ -152,8 +152,18 @@ class Command(BaseCommand):
                 flags.append("PAUSED")
             self.stdout.write(
                 f"{job.name:<{width}}  {job.schedule.describe():<{schedule_width}}  "
-                f"next {due:%Y-%m-%d %H:%M:%S} UTC{local}  " + " ".join(flags)
+                f"next {_when(due)} UTC{local}  " + " ".join(flags)
             )
+
+    @staticmethod
+    def _now() -> datetime:
+        """The database's clock, which slots follow (this host's may be off); this host's if unreachable."""
+        from django_anarchon import store
+
+        try:
+            return store.database_time()
+        except DatabaseError:
+            return datetime.now(timezone.utc)
 
     def _check_health(self, instance_id: str | None) -> None:
         from django_anarchon.health import check_health
@@ -264,3 +274,9 @@ def _flush_and_exit(code: int) -> None:
         with contextlib.suppress(Exception):  # a closed pipe must not keep us here
             stream.flush()
     os._exit(code)
+
+
+def _when(moment: datetime) -> str:
+    """``2027-01-15 08:00:00``, with milliseconds when the moment has them (a 1500ms job's slots)."""
+    text = f"{moment:%Y-%m-%d %H:%M:%S}"
+    return f"{text}.{moment.microsecond // 1000:03d}" if moment.microsecond else text
