@@ -32,8 +32,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         messages.append(
             Error(
                 "django-anarchon needs USE_TZ = True.",
-                hint="With USE_TZ = False, SQLite stores local times while the database clock is UTC, "
-                "so leases would look hours fresh or stale. Set USE_TZ = True.",
+                hint="Leases and slots are compared with the database clock in UTC; with USE_TZ = False "
+                "Django stores and reads local times (on SQLite, MySQL and MariaDB), so leases would look "
+                "hours fresh or stale. Set USE_TZ = True.",
                 id="anarchon.E001",
             )
         )

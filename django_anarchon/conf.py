@@ -141,6 +141,10 @@ def _json_problem(value: Any, path: str, depth: int) -> str | None:
         return None
     if isinstance(value, tuple):
         return f"the tuple{at} would come back as a list; pass a list"
+    if path and not isinstance(value, (dict, list, int, float, type(None))):
+        # Named where it is (json.dumps would only name its type); the top level is left to json.dumps.
+        kind = type(value).__name__
+        return f"the {kind} {value!r:.60}{at} is not JSON: pass a string, number, boolean, None, list or dict"
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):

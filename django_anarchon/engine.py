@@ -622,7 +622,8 @@ class Engine:
         if name not in self._warned:
             self._warned.add(name)
             logger.warning(
-                "Runs of job %r wait, but this instance does not declare that job",
+                "Runs of job %r wait, but this instance does not declare that job (only jobs declared "
+                "in the jobs.py of an installed app, or in a module it imports, are known to every instance)",
                 name,
                 extra={"job": name, "instance": self.instance_id},
             )

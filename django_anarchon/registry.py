@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import threading
 import unicodedata
@@ -194,9 +195,16 @@ def build_job(
     valid = OPTIONS if kind == "cron" else tuple(o for o in OPTIONS if o != "timezone")
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise JobDeclarationError(
-            name, f"unknown option(s) {', '.join(map(repr, unknown))}; valid options are {', '.join(valid)}"
-        )
+        if unknown == ["timezone"]:
+            raise JobDeclarationError(
+                name, "the option 'timezone' is for cron jobs; interval slots are aligned to the Unix epoch, in UTC"
+            )
+        hints = [
+            f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(str(o), valid, n=1)) else ""
+            for o in unknown
+        ]
+        listed = ", ".join(f"{o!r}{hint}" for o, hint in zip(unknown, hints, strict=True))
+        raise JobDeclarationError(name, f"unknown option(s) {listed}; valid options are {', '.join(valid)}")
     task = options.get("task")
     arguments: TaskArguments | None = None  # a task job's: what its task is passed
     if task is not None:

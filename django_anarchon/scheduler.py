@@ -67,6 +67,7 @@ class Scheduler(Declarations):
         from . import store
         from .engine import Engine
 
+        _require_installed()
         settings = get_settings()
         found = problems(settings)
         if found:
@@ -114,6 +115,7 @@ class Scheduler(Declarations):
         PostgreSQL) and runs it with ``reason="manual"``. ``data`` (JSON) becomes
         ``ctx.data``; without it, the job's or the scheduler's data is used.
         """
+        _require_installed()
         from . import store
 
         job = self.job(name)
@@ -187,6 +189,18 @@ class Scheduler(Declarations):
 
 
 scheduler = Scheduler()
+
+
+def _require_installed() -> None:
+    """Say what to do when the app is missing from INSTALLED_APPS (Django's own error names a model's app_label)."""
+    from django.apps import apps
+
+    if not apps.is_installed("django_anarchon"):
+        raise SettingsError(
+            None,
+            "'django_anarchon' is not in INSTALLED_APPS: add it, then run `python manage.py migrate`",
+            setting="INSTALLED_APPS",
+        )
 
 
 def run_now(name: str, data: Any = None) -> Run:

@@ -695,6 +695,22 @@ def test_run_now_rejects_unknown_jobs_and_non_json_data_at_the_call(sched: Sched
     assert not Run.objects.exists()
 
 
+def test_run_now_and_start_say_to_install_the_app_when_it_is_not(sched: Scheduler) -> None:
+    """Django's own error named a model's app_label; a new user needs to be told what to add."""
+    from django_anarchon import SettingsError
+
+    sched.every("known", ON_DEMAND, lambda ctx: None)
+    missing = (
+        r"^INSTALLED_APPS: 'django_anarchon' is not in INSTALLED_APPS: add it, then run `python manage.py migrate`"
+    )
+    with override_settings(INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth"]):
+        with pytest.raises(SettingsError, match=missing):
+            sched.run_now("known")
+        with pytest.raises(SettingsError, match=missing):
+            sched.start()
+    assert not sched.running
+
+
 def test_arun_now_records_a_pending_manual_run(sched: Scheduler) -> None:
     import asyncio
 

@@ -372,8 +372,29 @@ def test_timezone_given_to_every(sched: Scheduler) -> None:
     declaration_error(
         lambda: sched.every("sync", "10s", handler, timezone="Europe/Paris"),
         "Job 'sync'",
-        "'timezone'",
-        "valid options are timeout, overlap, catch_up, data",
+        "the option 'timezone' is for cron jobs",
+        "aligned to the Unix epoch",
+    )
+
+
+def test_an_unknown_option_close_to_a_valid_one_gets_a_suggestion(sched: Scheduler) -> None:
+    declaration_error(
+        lambda: sched.every("sync", "10s", handler, timout="5m"),
+        "Job 'sync'",
+        "unknown option(s) 'timout' (did you mean 'timeout'?)",
+    )
+    declaration_error(
+        lambda: sched.cron("nightly", "@daily", handler, timezon="UTC", colour=1),
+        "unknown option(s) 'colour', 'timezon' (did you mean 'timezone'?)",
+    )
+
+
+def test_a_value_that_is_not_json_is_named_where_it_sits_in_the_data(sched: Scheduler) -> None:
+    from datetime import date
+
+    declaration_error(
+        lambda: sched.every("sync", "10s", handler, data={"period": {"start": date(2027, 1, 1)}}),
+        "the date datetime.date(2027, 1, 1) at ['period']['start'] is not JSON",
     )
 
 
