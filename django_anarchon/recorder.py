@@ -52,6 +52,7 @@ class Ending:
     then: Callable[[Any], None] | None = None  # called with the result once settled (recorder's thread)
     status: str = ""
     hand_over: bool = False
+    started: bool = True  # whether the handler was called (a hand-over of one that was not has no start time)
     max_attempts: int | None = None
     error_type: str = ""
     error_message: str = ""
@@ -254,5 +255,11 @@ class Recorder:
     def _write_one(self, ending: Ending, texts: dict[str, str]) -> Any:
         run_id: int = ending.run.id  # type: ignore[assignment]
         if ending.hand_over:
-            return store.hand_over(run_id, owner=self.token, detail=texts["detail"], max_attempts=ending.max_attempts)
+            return store.hand_over(
+                run_id,
+                owner=self.token,
+                detail=texts["detail"],
+                max_attempts=ending.max_attempts,
+                started=ending.started,
+            )
         return store.finish(run_id, owner=self.token, status=ending.status, **texts)

@@ -623,7 +623,9 @@ class RunTable:
             finally:
                 self._settled(active, leave)
 
-        ending = self._ending(active, handed, hand_over=True, detail=detail, max_attempts=self.settings.max_attempts)
+        ending = self._ending(
+            active, handed, hand_over=True, detail=detail, max_attempts=self.settings.max_attempts, started=active.ran
+        )
         self.recorder.submit(ending)
 
     def _announce(self, signal: Any, **kwargs: Any) -> None:

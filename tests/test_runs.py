@@ -98,6 +98,21 @@ def test_a_timed_out_run_has_one_end_line_unless_its_handler_goes_on_long_after(
     assert [r.levelno for r in caplog.records if r.getMessage().startswith("Run failed")] == [logging.ERROR] * 2
 
 
+def test_a_hand_over_says_whether_the_handler_was_called() -> None:
+    """Stopped before its slot but recorded after it: the row got the slot as its start time."""
+    from django_anarchon.exceptions import Interrupted
+
+    recorder = FakeRecorder()
+    table = table_with(recorder)
+    waiting, running = held(table, 1), held(table, 2)
+    assert running.begin_start()
+    for active in (waiting, running):
+        active.abort("stop", Interrupted("stopping"))
+    table.finish(waiting, waiting.signal.reason, started=False)
+    table.finish(running, running.signal.reason)
+    assert [(e.run.id, e.hand_over, e.started) for e in recorder.endings] == [(1, True, False), (2, True, True)]
+
+
 def test_a_run_is_either_started_or_withdrawn_never_both(caplog: pytest.LogCaptureFixture) -> None:
     recorder = FakeRecorder()
     table = table_with(recorder)

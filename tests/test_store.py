@@ -454,6 +454,28 @@ def test_queue_keeps_at_most_one_waiting_slot() -> None:
     assert [r.slot for r in claimed.won] == [SLOT + 1000]
 
 
+def test_a_queued_slot_is_not_overtaken_by_a_new_slot_decided_before_it_starts() -> None:
+    """The run ends a few ms before the next slot: that slot was claimed fresh and the queued one waited on.
+
+    It ran after the newer one, or (ending just before each slot) never, with every slot in between
+    skipped as "a run is already queued" behind it.
+    """
+    job = make_job(overlap="queue")
+    first = decide([store.Claim(job, SLOT)]).won[0]
+    decide([store.Claim(job, SLOT + 1000)], owner="b")  # queued behind the first
+    store.finish(first.id, owner="me", status="success")  # ends; the queued slot is not started yet
+    newer = decide([store.Claim(job, SLOT + 2000)], owner="c")
+    assert newer.won == [], "the new slot overtook the one waiting"
+    assert [r.slot for r in newer.skipped] == [SLOT + 2000]
+    assert "a run is already queued" in Run.objects.get(slot=SLOT + 2000).detail
+    claimed = store.claim_pending(
+        store.poll().pending_jobs, {"job": job}, owner="d", instance_id="i-d", ttl=TTL, capacity=10
+    )
+    assert [r.slot for r in claimed.won] == [SLOT + 1000], "the waiting slot runs next"
+    after = decide([store.Claim(job, SLOT + 3000)], owner="e")
+    assert after.won == [] and Run.objects.get(slot=SLOT + 3000).status == "pending", "queued behind it in turn"
+
+
 def test_replace_interrupts_the_running_run_and_runs_the_new_slot() -> None:
     job = make_job(overlap="replace")
     first = decide([store.Claim(job, SLOT)]).won[0]
@@ -768,6 +790,11 @@ def test_an_attempt_handed_over_before_its_slot_never_started() -> None:
     old, _ = store.hand_over(started.id, owner="me", detail="stopping")
     assert started_at is not None and old.started_at == started_at, "it started: its start is kept"
     assert old.duration is not None and old.duration >= timedelta(0)
+    # Stopped a few ms before its slot, the hand-over recorded just after it (the stop waits for the
+    # runs): the runner says the handler was never called, so no start time either.
+    late = decide([store.Claim(make_job("late"), second - 1_000)]).won[0]
+    old, _ = store.hand_over(late.id, owner="me", detail="stopping", started=False)
+    assert (old.status, old.started_at, old.duration) == ("interrupted", None, None)
 
 
 def test_a_handed_over_attempt_keeps_the_job_busy_for_skip() -> None:

@@ -81,13 +81,18 @@ def decide(
         "default_data": default_data,
         "skip_locked": skip_locked,
     }
-    if claims and not catch_ups and statements.can_claim_in_one_statement(claims):
+    # The claim function tells a busy job by its running (or handed-over) run only; a queue job's
+    # waiting slot must also hold back a new one, so those are decided on the Python path.
+    plain = [c for c in claims if c.job.overlap != "queue"]
+    if plain and not catch_ups and statements.can_claim_in_one_statement(plain):
         # PostgreSQL: the plain case in one round trip; what it leaves
         # undecided (busy jobs, jobs with no row yet) takes the Python path.
         try:
-            outcome, rest = statements.claim_scheduled(claims, capacity=capacity, **common)
+            outcome, rest = statements.claim_scheduled(plain, capacity=capacity, **common)
         except statements.NoClaimFunction:
             return _decide(claims, (), capacity=capacity, now_ms=now_ms, first_look=first_look, **common)
+        if len(plain) < len(claims):
+            rest = [*rest, *(c for c in claims if c.job.overlap == "queue")]
         if rest:
             more = _decide(rest, (), capacity=capacity - len(outcome.won), now_ms=now_ms, first_look=False, **common)
             for name in ("won", "skipped", "interrupted", "deferred", "missed", "busy", "early"):
@@ -168,7 +173,9 @@ def _decide(
                 inserts.append(row)
                 taken.add((job.name, claim.slot))
                 continue
-            busy = bool(view.active) and job.overlap != "allow"
+            # Busy: a run of the job runs (or waits for its next attempt); under "queue", a slot
+            # already waiting holds back a new one too, so that it is not overtaken by it.
+            busy = job.overlap != "allow" and bool(view.active or (job.overlap == "queue" and view.queued))
             if busy and now_ms is not None and claim.slot > now_ms:
                 outcome.early.append(claim)
                 continue
@@ -237,15 +244,16 @@ def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
     """What a slot of a busy job becomes under its overlap policy: (status, detail).
 
     ``replace`` runs (the caller interrupts what runs); ``allow`` never gets here.
+    Under ``queue`` the job may have no active run, only a slot waiting to start.
     """
-    active = view.active[0]
-    if claim.wait:
+    if claim.wait:  # catch_up="all": every missed slot runs, one after another
         return Status.PENDING, "waiting for the job's previous run to end (catch_up='all')"
+    if claim.job.overlap == "queue" and view.queued:
+        return Status.SKIPPED, f"a run is already queued (slot {_iso(view.queued[0].slot)})"
+    active = view.active[0]
     if claim.job.overlap == "skip":
         return Status.SKIPPED, _busy_detail(active)
     if claim.job.overlap == "queue":
-        if view.queued:
-            return Status.SKIPPED, f"a run is already queued (slot {_iso(view.queued[0].slot)})"
         return Status.PENDING, "queued behind " + _busy_detail(active)
     return Status.RUNNING, ""
 

@@ -111,7 +111,7 @@ def _next_attempt(old: Run, *, owner: str, instance_id: str, ttl: float, start: 
 
 @retry_deadlocks
 def hand_over(
-    run_id: int, *, owner: str, detail: str, max_attempts: int | None = None
+    run_id: int, *, owner: str, detail: str, max_attempts: int | None = None, started: bool = True
 ) -> tuple[Run, Run | None] | None:
     """Release a run this process holds so that another instance continues it.
 
@@ -119,7 +119,8 @@ def hand_over(
     live) and inserts the next attempt as ``pending`` in the same transaction,
     then notifies the other instances. Returns (old, new) or None if the run
     was no longer ours. The run's ``max_attempts``-th attempt is recorded
-    ``failed`` (``AttemptsExhausted``) instead, and new is None.
+    ``failed`` (``AttemptsExhausted``) instead, and new is None. ``started``:
+    whether its handler was called (if not, the attempt gets no start time).
     """
     with transaction.atomic(using=alias()):
         held = _held(owner).filter(id=run_id)
@@ -134,8 +135,11 @@ def hand_over(
             finished_at=DbNow(),
             lease_expires_at=None,
             detail=detail,
-            # Claimed ahead and stopped before its slot: it never started, and says so.
-            started_at=Case(When(started_at__gt=DbNow(), then=Value(None)), default=F("started_at")),
+            # Stopped before its handler was called (``started`` False: before its slot, or while it
+            # waited for a worker): it never started, and says so, however late this is recorded.
+            started_at=(
+                Case(When(started_at__gt=DbNow(), then=Value(None)), default=F("started_at")) if started else None
+            ),
         )
         if not won:
             return None
