@@ -18,7 +18,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
-from django.utils.translation import gettext
+from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 import django_anarchon
@@ -76,6 +76,17 @@ def request_run(admin: Any, request: HttpRequest, state: JobState, data: Any = N
     shown = "" if data is None else " " + gettext("with data %(data)s") % {"data": json.dumps(data)}
     admin.log_change(request, state, gettext("Requested a run now%(data)s.") % {"data": shown})
     return run
+
+
+def no_instance_message(count: int) -> str:
+    """What a run requested while no scheduler instance runs does (``%(names)s``, ``%(count)d`` to fill in)."""
+    return ngettext(
+        "Requested a run of %(names)s, but no scheduler instance has sent a heartbeat lately: "
+        "it waits until 'manage.py anarchon' runs somewhere.",
+        "Requested runs of %(count)d jobs (%(names)s), but no scheduler instance has sent a heartbeat lately: "
+        "they wait until 'manage.py anarchon' runs somewhere.",
+        count,
+    )
 
 
 def pause_note(request: HttpRequest, reason: str) -> str:
@@ -168,13 +179,15 @@ class JobPageButtons:
             admin.message_user(
                 request, gettext("%(name)s is not declared in code.") % {"name": state.name}, messages.ERROR
             )
-        else:
+        elif admin._instances_alive():
             admin.message_user(
                 request,
                 gettext("Requested a run of %(name)s: a scheduler instance starts it within one poll interval.")
                 % {"name": state.name},
                 messages.SUCCESS,
             )
+        else:
+            admin.message_user(request, no_instance_message(1) % {"names": state.name, "count": 1}, messages.WARNING)
         return self._back(state)
 
     def pause_view(self, request: HttpRequest, object_id: str) -> HttpResponse:

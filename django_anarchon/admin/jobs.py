@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from django.contrib import admin, messages
-from django.db.models import OuterRef, QuerySet, Subquery
+from django.db.models import BooleanField, OuterRef, QuerySet, Subquery, Value
 from django.http import HttpRequest, HttpResponse
 from django.utils.html import format_html
 from django.utils.http import urlencode
@@ -35,7 +35,16 @@ from .display import (
     status_badge,
     when,
 )
-from .job_actions import JobPageButtons, PauseForm, RunDataForm, form_page, pause, request_run, resume
+from .job_actions import (
+    JobPageButtons,
+    PauseForm,
+    RunDataForm,
+    form_page,
+    no_instance_message,
+    pause,
+    request_run,
+    resume,
+)
 
 
 class DeclaredFilter(admin.SimpleListFilter):
@@ -89,6 +98,8 @@ class JobStateAdmin(JobPageButtons, ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         """The jobs, each annotated with its newest run (pk, scheduled time, status)."""
         latest = Run.objects.filter(job=OuterRef("name")).order_by("-slot", "-attempt")
+        # A user who may not view runs gets the time without a link (the link would answer 403).
+        may_view_runs = request.user.has_perm(f"{Run._meta.app_label}.view_run")
         return (
             super()
             .get_queryset(request)
@@ -96,6 +107,7 @@ class JobStateAdmin(JobPageButtons, ReadOnlyAdmin):
                 last_run_pk=Subquery(latest.values("pk")[:1]),
                 last_run_at=Subquery(latest.values("scheduled_at")[:1]),
                 last_run_status=Subquery(latest.values("status")[:1]),
+                last_run_linked=Value(may_view_runs, output_field=BooleanField()),
             )
         )
 
@@ -193,6 +205,8 @@ class JobStateAdmin(JobPageButtons, ReadOnlyAdmin):
         pk, moment = getattr(state, "last_run_pk", None), getattr(state, "last_run_at", None)
         if pk is None or moment is None:
             return self.get_empty_value_display()
+        if not getattr(state, "last_run_linked", True):
+            return when(moment)
         return format_html('<a href="{}">{}</a>', admin_url(Run, "change", pk), when(moment))
 
     @admin.display(description=_("last status"), ordering="last_run_status")
@@ -253,22 +267,17 @@ class JobStateAdmin(JobPageButtons, ReadOnlyAdmin):
             else:
                 requested.append(state.name)
         if requested:
-            message = ngettext(
-                "Requested a run of %(names)s: a scheduler instance starts it within one poll interval.",
-                "Requested runs of %(count)d jobs (%(names)s): scheduler instances start them within one poll "
-                "interval.",
-                len(requested),
-            ) % {"count": len(requested), "names": ", ".join(requested)}
-            self.message_user(request, message, messages.SUCCESS)
-            if not self._instances_alive():
-                self.message_user(
-                    request,
-                    gettext(
-                        "No scheduler instance has sent a heartbeat lately: "
-                        "the requested runs wait until 'manage.py anarchon' runs somewhere."
-                    ),
-                    messages.WARNING,
+            names = {"count": len(requested), "names": ", ".join(requested)}
+            if self._instances_alive():
+                message = ngettext(
+                    "Requested a run of %(names)s: a scheduler instance starts it within one poll interval.",
+                    "Requested runs of %(count)d jobs (%(names)s): scheduler instances start them within one poll "
+                    "interval.",
+                    len(requested),
                 )
+                self.message_user(request, message % names, messages.SUCCESS)
+            else:
+                self.message_user(request, no_instance_message(len(requested)) % names, messages.WARNING)
         if undeclared:
             message = ngettext(
                 "Cannot run %(names)s: it is not declared in code (no jobs.py of this project declares it).",
