@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 import math
 import threading
@@ -389,9 +390,18 @@ class Runner:
             except BaseException as error:  # noqa: B036 - the loop was shut down under the run
                 return error
         try:
-            active.job.handler(ctx)
+            result = active.job.handler(ctx)
         except BaseException as error:  # noqa: B036 - every ending is recorded, none escapes
             return error
+        if result is not None and inspect.isawaitable(result):
+            # A plain callable that returned a coroutine (a lambda calling an async function, an
+            # object whose __call__ returns one): awaited on the event loop as an async def's
+            # would be, not recorded a success with its body never run.
+            future = asyncio.run_coroutine_threadsafe(_invoke(lambda _: result, ctx), self.event_loop())
+            try:
+                return future.result()
+            except BaseException as error:  # noqa: B036 - the loop was shut down under the run
+                return error
         return None
 
 

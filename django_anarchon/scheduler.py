@@ -123,7 +123,9 @@ class Scheduler(Declarations):
 
     async def arun_now(self, name: str, data: Any = None) -> Run:
         """The async twin of :meth:`run_now`."""
-        return await sync_to_async(self.run_now, thread_sensitive=False)(name, data)
+        # Thread-sensitive, as Django's own a*() ORM methods: the call's connection is the request's
+        # (closed with it), not one left open on a pool thread outside any request.
+        return await sync_to_async(self.run_now)(name, data)
 
     def _run_data(self, job: Job, data: Any) -> Any:
         if data is not None:

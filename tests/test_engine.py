@@ -7,6 +7,7 @@ distributed guarantees across processes are in test_process.py.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -709,6 +710,57 @@ def test_run_now_and_start_say_to_install_the_app_when_it_is_not(sched: Schedule
         with pytest.raises(SettingsError, match=missing):
             sched.start()
     assert not sched.running
+
+
+def test_a_plain_callable_returning_a_coroutine_has_its_coroutine_awaited(sched: Scheduler) -> None:
+    """It was recorded a success in a millisecond, the coroutine never awaited (and its error lost)."""
+    ran: list[str] = []
+
+    async def body(ctx: Context, what: str) -> None:
+        await asyncio.sleep(0.05)
+        ran.append(what)
+        if what == "fails":
+            raise RuntimeError("raised inside the coroutine")
+
+    class Handler:
+        def __call__(self, ctx: Context) -> Any:
+            return body(ctx, "fails")
+
+    sched.every("object", ON_DEMAND, Handler())
+    sched.every("lambda", ON_DEMAND, lambda ctx: body(ctx, "runs"))
+    start(sched)
+    sched.run_now("object")
+    sched.run_now("lambda")
+    [failed] = finished("object")
+    [succeeded] = finished("lambda")
+    assert sorted(ran) == ["fails", "runs"]
+    assert (failed.status, failed.error_type, failed.error_message) == (
+        "failed",
+        "RuntimeError",
+        "raised inside the coroutine",
+    )
+    assert succeeded.status == "success" and succeeded.duration >= timedelta(milliseconds=40)
+
+
+def test_arun_now_runs_thread_sensitive_as_djangos_own_async_orm_methods(sched: Scheduler) -> None:
+    """On a pool thread each, concurrent calls left a connection open per thread (six under ASGI)."""
+    threads: set[str] = set()
+    sched.every("known", ON_DEMAND, lambda ctx: None)
+    real = sched.run_now
+
+    def spy(name: str, data: Any = None) -> Any:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.02)  # long enough for the calls to overlap
+        return real(name, data)
+
+    sched.run_now = spy  # type: ignore[method-assign]
+
+    async def calls() -> None:
+        await asyncio.gather(*(sched.arun_now("known") for _ in range(8)))
+
+    asyncio.run(calls())
+    assert Run.objects.filter(job="known", manual=True).count() == 8
+    assert len(threads) == 1, f"one thread, as Django's a*() methods use: {sorted(threads)}"
 
 
 def test_arun_now_records_a_pending_manual_run(sched: Scheduler) -> None:
