@@ -252,14 +252,11 @@ class ClusterCollector:
                 .annotate(at=Max("finished_at"))
                 .values_list("job", "at")
             )
-            # Counted as job_overdue counts: a job that never succeeded (or whose last success was
-            # pruned) from when it was first seen, one resumed since from its resume; a paused job
-            # has no series (its slots are not run, so it is not overdue).
+            # Counted as job_overdue counts (store.overdue_since); a paused job has no series (its
+            # slots are not run, so it is not overdue).
             states = JobState.objects.using(store.alias()).filter(paused=False)
             for name, first_seen, resumed_at in states.values_list("name", "first_seen", "resumed_at"):
-                since = last.get(name) or first_seen
-                if resumed_at is not None and (since is None or resumed_at > since):
-                    since = resumed_at
+                since = store.overdue_since(last.get(name), first_seen, resumed_at)
                 if since is not None:
                     age.add_metric([name], (now - since).total_seconds())
         except DatabaseError as error:

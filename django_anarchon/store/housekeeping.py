@@ -220,6 +220,20 @@ class Overdue:
     without_success: timedelta  # since the last success (or the job's first sighting, or its resume if later)
 
 
+def overdue_since(
+    last_success: datetime | None, first_seen: datetime | None, resumed_at: datetime | None
+) -> datetime | None:
+    """Since when a job has gone without a success, as ``job_overdue`` and the age gauge count it.
+
+    Its last success; if it never succeeded (or that success was pruned), when it was first
+    seen; and its resume, if later (paused meanwhile, its slots were not run).
+    """
+    since = last_success or first_seen
+    if resumed_at is not None and (since is None or resumed_at > since):
+        return resumed_at
+    return since
+
+
 def claim_overdue_alerts(jobs: Iterable[Job]) -> list[Overdue]:
     """The jobs among ``jobs`` (those with ``alert_after``) now overdue whose alert this caller is to send.
 
@@ -246,9 +260,7 @@ def claim_overdue_alerts(jobs: Iterable[Job]) -> list[Overdue]:
     found = []
     rows = states.values_list("name", "first_seen", "resumed_at", "overdue_alerted_at")
     for name, first_seen, resumed_at, alerted in rows:
-        since = last.get(name) or first_seen
-        if resumed_at is not None and (since is None or resumed_at > since):
-            since = resumed_at  # paused meanwhile: its slots were not run; count from the resume
+        since = overdue_since(last.get(name), first_seen, resumed_at)
         if since is None:
             continue
         silent = now - since
