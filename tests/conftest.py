@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -127,6 +128,19 @@ def finished(job: str, n: int = 1, timeout: float = 8) -> list[Any]:
     )
 
 
+def sqlite_write_lock_held() -> bool:
+    """Whether some process holds the SQLite test database's write lock for longer than a write takes."""
+    probe = sqlite3.connect(connection.settings_dict["NAME"], timeout=1.0, isolation_level=None)
+    try:
+        probe.execute("BEGIN IMMEDIATE")
+        probe.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:
+        return True
+    finally:
+        probe.close()
+
+
 class Instance:
     """One `manage.py anarchon` child process."""
 
@@ -145,6 +159,22 @@ class Instance:
     def signal(self, sig: int) -> None:
         if self.alive():
             os.kill(self.process.pid, sig)
+
+    def freeze(self, attempts: int = 40) -> None:
+        """SIGSTOP the process, on SQLite at a moment it is not inside a write of its own.
+
+        A stopped SQLite writer keeps the database file's write lock until it resumes, and no
+        other process can write meanwhile (docs/guarantees.md says so): nothing could take over.
+        That is SQLite's limit, not what a freeze test is about, so a freeze that lands inside a
+        write (a renewal, a checkpoint, a heartbeat) is let go and tried again a moment later.
+        """
+        for _ in range(attempts):
+            self.signal(signal.SIGSTOP)
+            if connection.vendor != "sqlite" or not sqlite_write_lock_held():
+                return
+            self.signal(signal.SIGCONT)
+            time.sleep(0.05)
+        raise AssertionError(f"{self.instance_id} held SQLite's write lock at each of {attempts} freezes")
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

@@ -29,7 +29,16 @@ from django.db import connection
 
 from django_anarchon import store
 from django_anarchon.models import Run
-from tests.conftest import FAKETIME_LIB, ON_DEMAND, Cluster, Instance, report, vendor, wait_for
+from tests.conftest import (
+    FAKETIME_LIB,
+    ON_DEMAND,
+    Cluster,
+    Instance,
+    report,
+    sqlite_write_lock_held,
+    vendor,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.process, pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 
@@ -260,7 +269,7 @@ def test_freeze_with_checkpoints_the_frozen_runner_fences_itself(cluster: Cluste
     first = wait_for(lambda: Run.objects.filter(pk=run.pk, status="running").first(), 10, what="attempt 1")
     wait_for(lambda: (Run.objects.get(pk=run.pk).progress or 0) >= 3, 10, what="some progress")
     frozen = nodes[first.instance_id]
-    frozen.signal(signal.SIGSTOP)
+    frozen.freeze()
     frozen_at = time.time()
     try:
         second = wait_for(
@@ -756,19 +765,6 @@ def test_a_backlog_of_pending_runs_never_hides_a_crashed_runner_from_takeover(cl
     report("takeover_behind_backlog", {"pending_backlog": 300, "takeover_after_sigkill_s": round(took, 2)})
 
 
-def _sqlite_write_lock_held() -> bool:
-    """Whether some process holds the test database's write lock for longer than a write takes."""
-    probe = sqlite3.connect(connection.settings_dict["NAME"], timeout=1.0, isolation_level=None)
-    try:
-        probe.execute("BEGIN IMMEDIATE")
-        probe.execute("ROLLBACK")
-        return False
-    except sqlite3.OperationalError:
-        return True
-    finally:
-        probe.close()
-
-
 def test_a_run_frozen_just_before_its_slot_and_taken_over_never_starts_its_handler(
     cluster: Cluster, events: Path
 ) -> None:
@@ -793,7 +789,7 @@ def test_a_run_frozen_just_before_its_slot_and_taken_over_never_starts_its_handl
                     frozen.signal(signal.SIGSTOP)
                 break
             time.sleep(0.002)
-        if frozen is not None and connection.vendor == "sqlite" and _sqlite_write_lock_held():
+        if frozen is not None and connection.vendor == "sqlite" and sqlite_write_lock_held():
             # Frozen inside a write of its own (a renewal, a heartbeat): a stopped SQLite writer
             # keeps the file's lock and nothing can take over until it resumes, as
             # docs/guarantees.md says. Not what this test is about: let it go, try another slot.

@@ -153,7 +153,7 @@ def test_sigstop_past_the_lease_is_taken_over_and_the_late_end_changes_nothing(c
     # after the freeze, and then tries to record success.
     run, nodes = _start_long_job(cluster, kind="stubborn", seconds=5.0)
     frozen = nodes[run.instance_id]
-    frozen.signal(signal.SIGSTOP)
+    frozen.freeze()
     try:
         second = wait_for(
             lambda: Run.objects.filter(job="long", slot=run.slot, attempt=2).first(), TTL + 10, what="attempt 2"
