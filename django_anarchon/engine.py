@@ -139,6 +139,9 @@ class Engine:
         self._poll_requested = True
         self._takeover_at = float("inf")  # time.monotonic() of the next look at a lease about to expire
         self._room_wanted = False  # due slots wait for a worker: wake the loop when a handler returns
+        # Pending runs (a takeover, run_now) found no room: the next handler to return asks for a
+        # poll, and that poll claims them before new slots take the room.
+        self._owed_want_room = False
         self._waiting_jobs: set[str] = set()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -267,8 +270,11 @@ class Engine:
             self._wake.set()
 
     def _handler_returned(self) -> None:
-        """A run's handler is over: if slots wait for room, let the loop claim them now."""
-        if self._room_wanted:
+        """A run's handler is over: if runs or slots wait for room, let the loop claim them now."""
+        if self._owed_want_room:
+            self._poll_requested = True
+            self._wake.set()
+        elif self._room_wanted:
             self._wake.set()
 
     # -- the loop ------------------------------------------------------------------------
@@ -313,6 +319,13 @@ class Engine:
         self.trouble.call(store.limit_idle_transactions, self.settings.lease_ttl)
         self.queue.claim_ahead_ms = draw_claim_ahead(self.claim_ms, random.uniform(0.0, 20.0))  # noqa: S311
         self._follow_clock_steps()
+        mono = time.monotonic()
+        poll_now = mono >= next_poll or self._poll_requested or mono >= self._takeover_at
+        if poll_now and self._owed_want_room:
+            # Runs already owed (attempt 2 of a crashed run, a run_now) take the room a
+            # returning handler left before new slots do: under load they would otherwise
+            # wait behind every slot that comes due.
+            next_poll, poll_now = self._poll_turn(), False
         # At capacity, due slots wait here (not in the database) until a handler
         # returns and wakes the loop; other instances may take them meanwhile.
         room = self.capacity() > 0
@@ -324,11 +337,8 @@ class Engine:
             self.dispatch_due()
         if self._pause_checks and self._pause_checks[0][0] <= self.clock.now_ms():
             self._withdraw_paused(self.clock.now_ms())
-        mono = time.monotonic()
-        if mono >= next_poll or self._poll_requested or mono >= self._takeover_at:
-            self._poll_requested = False
-            self._poll()
-            next_poll = time.monotonic() + self.settings.poll_interval
+        if poll_now:
+            next_poll = self._poll_turn()
         if mono >= next_house:
             self._housekeeping()
             next_house = time.monotonic() + self.settings.heartbeat_every
@@ -344,6 +354,12 @@ class Engine:
             self._wake.wait(wait)
         self._wake.clear()
         return next_poll, next_house
+
+    def _poll_turn(self) -> float:
+        """Poll now; return when the next poll is due."""
+        self._poll_requested = False
+        self._poll()
+        return time.monotonic() + self.settings.poll_interval
 
     def dispatch_due(self) -> None:
         """Decide the slots that have come due in one statement, adopt what was won, put back the rest."""
@@ -584,6 +600,7 @@ class Engine:
         found = self.trouble.call(store.poll, expiring_within=self.settings.poll_interval)
         if found is FAILED:
             return
+        owed: set[str] = set()
         for row in found.expiring:
             if row.job not in self.jobs:
                 self._warn_undeclared(row.job)
@@ -592,12 +609,12 @@ class Engine:
             left_s = expires - self.clock.now_ms() / 1000
             if left_s > 0:  # not expired yet by this estimate of the database clock
                 again_s = left_s + TAKEOVER_MARGIN_S
-            elif not self._take_over(row):  # not by the database's own: the estimate was early
+            elif not self._take_over(row, owed):  # not by the database's own: the estimate was early
                 again_s = TAKEOVER_RETRY_S
             else:
                 continue
             self._takeover_at = min(self._takeover_at, time.monotonic() + again_s)
-        waiting = set()
+        waiting = set(owed)
         for name in found.pending_jobs:
             if name in self.jobs:
                 waiting.add(name)
@@ -617,6 +634,9 @@ class Engine:
             )
             if outcome is not FAILED:
                 self._handle(outcome, sent)
+        # Left waiting with no room here: the next handler to return asks for a poll (at worst
+        # one poll too many, when the last claim took both the runs and the room).
+        self._owed_want_room = bool(waiting) and self.capacity() <= 0
 
     def _warn_undeclared(self, name: str) -> None:
         if name not in self._warned:
@@ -628,8 +648,11 @@ class Engine:
                 extra={"job": name, "instance": self.instance_id},
             )
 
-    def _take_over(self, row: Run) -> bool:
-        """Try to take over ``row``, whose lease looks expired; whether this instance did."""
+    def _take_over(self, row: Run, owed: set[str]) -> bool:
+        """Try to take over ``row``, whose lease looks expired; whether this instance did.
+
+        A new attempt recorded here without room to start it adds its job to ``owed``.
+        """
         self.table.fence_overdue()
         sent = time.monotonic()
         start = self.capacity() > 0
@@ -648,6 +671,8 @@ class Engine:
         self.table.taken_over(old, new, starts_here=start)
         if new is not None and new.status == Status.RUNNING:
             self.adopt(new, sent)
+        elif new is not None and new.status == Status.PENDING:
+            owed.add(new.job)  # recorded here without room to start it: owed the next room
         return True
 
     def _housekeeping(self) -> None:

@@ -1184,3 +1184,76 @@ def test_save_progress_in_an_outage_gets_the_fence_not_the_database_error(
     sched.run_now("saves-in-outage")
     wait_for(lambda: raised, 10, what="save_progress() to give up")
     assert isinstance(raised[0], Interrupted) and "could not renew the lease" in str(raised[0]), raised
+
+
+def test_a_run_owed_the_room_takes_it_before_new_slots_as_soon_as_a_handler_returns(sched: Scheduler) -> None:
+    """At capacity, a pending run (a run_now here; a takeover's attempt 2 is the same) waits for
+    room. When the handler holding the room returns, the pending run starts at once, not a poll
+    interval later, and before the slots that came due meanwhile (under load each poll would
+    otherwise find the room taken by new slots, and the owed run would wait on and on)."""
+    gate = threading.Event()
+    sched.every("busy", ON_DEMAND, lambda ctx: gate.wait(20))
+    sched.every("tick", "1s", lambda ctx: None)
+    sched.every("owed", ON_DEMAND, lambda ctx: time.sleep(0.5))
+    with override_settings(ANARCHON={"LEASE_TTL": 30.0, "POLL_INTERVAL": 5.0, "MAX_WORKERS": 1}):
+        start(sched)
+        engine = running_engine(sched)
+        try:
+            sched.run_now("busy")
+            engine.request_poll()  # as a NOTIFY would on PostgreSQL
+            wait_for(lambda: Run.objects.filter(job="busy", status="running").exists(), 8, what="busy to start")
+            # Past the quick window, a handler still running leaves no headroom: the instance is full.
+            wait_for(lambda: engine.capacity() == 0, 5, what="no room")
+            sched.run_now("owed")
+            engine.request_poll()
+            wait_for(lambda: engine._waiting_jobs == {"owed"}, 5, what="the poll that finds no room for it")
+            time.sleep(1.2)  # a slot of tick comes due and waits for the worker too
+            released = timezone.now()
+            gate.set()
+            owed = wait_for(
+                lambda: Run.objects.filter(job="owed").exclude(started_at=None).first(), 8, what="owed to start"
+            )
+            wait_for(lambda: Run.objects.filter(job="owed", status="success").exists(), 5, what="owed to end")
+        finally:
+            gate.set()
+            sched.stop(timeout=3)
+    waited = (owed.started_at - released).total_seconds()
+    assert waited < 1.0, f"the owed run started {waited:.2f}s after the worker came free (POLL_INTERVAL 5 s)"
+    ticks_first = Run.objects.filter(job="tick", started_at__gte=released, started_at__lt=owed.started_at)
+    assert not ticks_first.exists(), [(r.slot, r.started_at) for r in ticks_first]
+
+
+def test_a_takeover_recorded_with_no_room_starts_as_soon_as_a_handler_returns(sched: Scheduler) -> None:
+    """Attempt 2 of a crashed run, taken over by a full instance, is recorded pending; it is owed the
+    room the next returning handler leaves, not left for a poll interval (or longer, under load)."""
+    gate = threading.Event()
+    sched.every("busy", ON_DEMAND, lambda ctx: gate.wait(20))
+    sched.every("orphan", ON_DEMAND, lambda ctx: None)
+    with override_settings(ANARCHON={"LEASE_TTL": 30.0, "POLL_INTERVAL": 5.0, "MAX_WORKERS": 1}):
+        start(sched)
+        engine = running_engine(sched)
+        try:
+            sched.run_now("busy")
+            engine.request_poll()
+            wait_for(lambda: engine.capacity() == 0, 8, what="busy to fill the instance")
+            sched.run_now("orphan")
+            # Claimed by an instance that then died: a lease of 1 s that nobody renews.
+            [dead] = store.claim_pending(
+                ["orphan"], {"orphan": sched.job("orphan")}, owner="dead", instance_id="dead", ttl=1.0, capacity=1
+            ).won
+            engine.request_poll()
+            pending = wait_for(
+                lambda: Run.objects.filter(job="orphan", attempt=2, status="pending").first(), 8, what="the takeover"
+            )
+            time.sleep(0.3)
+            released = timezone.now()
+            gate.set()
+            second = wait_for(
+                lambda: Run.objects.filter(pk=pending.pk).exclude(started_at=None).first(), 8, what="attempt 2 to start"
+            )
+        finally:
+            gate.set()
+            sched.stop(timeout=3)
+    assert Run.objects.get(pk=dead.pk).status == "interrupted" and second.reason == "takeover"
+    waited = (second.started_at - released).total_seconds()
+    assert waited < 1.0, f"attempt 2 started {waited:.2f}s after the worker came free (POLL_INTERVAL 5 s)"
