@@ -47,6 +47,7 @@ from . import metrics, signals, store
 from .clock import Clock, ClockEstimate, describe_offset
 from .conf import AnarchonSettings
 from .dbtrouble import FAILED, DbTrouble
+from .durations import format_ms
 from .keeper import Keeper
 from .listener import Listener, listening_available
 from .models import Reason, Run, Status
@@ -65,10 +66,14 @@ PEERS_REFRESH_S = 2.0
 # database clock as estimated here), and a takeover the database refused this long after.
 TAKEOVER_MARGIN_S = 0.005
 TAKEOVER_RETRY_S = 0.05
-# Hourly, each instance stamps its jobs as declared and prunes history. The runs of a job no
-# instance has declared for three such turns are closed (see store.close_undeclared).
+# Hourly, each instance stamps its jobs as declared. The runs of a job no instance has
+# declared for three such turns are closed (see store.close_undeclared).
 HOUSEKEEPING_EVERY_S = 3600.0
 UNDECLARED_GRACE_S = 3 * HOUSEKEEPING_EVERY_S
+# History is pruned hourly, off the loop, by one instance of the cluster (see _run_pruner), in
+# batches of PRUNE_BATCH runs with a pause after each at least as long as the batch took.
+PRUNE_EVERY_S = HOUSEKEEPING_EVERY_S
+PRUNE_BATCH = 500
 CATCH_UP_BATCH = 500
 # A host clock this far off the database's (ms) is warned about (and again when it moves as much).
 SKEW_WARN_MS = 1000.0
@@ -148,7 +153,7 @@ class Engine:
         self._loop_lock = threading.Lock()
         self._warned: set[str] = set()
         self._skew_warned_ms: float | None = None  # the clock offset last warned about, while it lasts
-        self._next_prune = 0.0  # the first housekeeping turn prunes, then hourly
+        self._next_prune = 0.0  # the first housekeeping turn closes runs no instance declares, then hourly
         self.claim_ms = 20.0  # how long claiming transactions take here: recent highs, decaying
         self._peers_read_at = -PEERS_REFRESH_S
         self._alerting = [job for job in self.jobs.values() if job.alert_after_ms]
@@ -169,6 +174,7 @@ class Engine:
         targets = [("keeper", self.keeper.run_renewals), ("watchdog", self.keeper.run_watchdog)]
         if self.schedule_jobs:
             targets.insert(0, ("loop", self._run_loop))
+            targets.append(("pruner", self._run_pruner))
             if listening_available(self.instance_id):
                 targets.append(("listener", self.listener.run))
         for name, target in targets:
@@ -675,6 +681,59 @@ class Engine:
             owed.add(new.job)  # recorded here without room to start it: owed the next room
         return True
 
+    # -- history pruning -----------------------------------------------------------------
+
+    def _run_pruner(self) -> None:
+        """Prune the run history hourly, on a thread of its own, if this instance is the cluster's pruner.
+
+        Off the loop: a prune of a large history takes seconds to minutes, and on the loop it
+        held up every claim of the instance meanwhile (and, every instance pruning at once
+        after a deploy, of the cluster: slots recorded missed as if it had been down). One
+        instance prunes, the live one whose token sorts first (two may, for a moment, while
+        instances come and go: deleting the same old runs twice deletes them once).
+        """
+        trouble = DbTrouble("history pruning", self.instance_id, store.alias)
+        try:
+            # Start-up first; a heartbeat later this instance's row is on record with its peers'.
+            while not self._started.wait(0.5):
+                if self._stopping.is_set():
+                    return
+            if self._stopping.wait(self.settings.heartbeat_every):
+                return
+            while not self._stopping.is_set():
+                tokens = trouble.call(store.live_instances, 3 * self.settings.heartbeat_every + 1)
+                if tokens is not FAILED and (not tokens or min(tokens) == self.token):
+                    self._prune(trouble)
+                connections.close_all()  # an hour until the next: keep no connection open meanwhile
+                trouble.end_turn()
+                self._stopping.wait(PRUNE_EVERY_S if trouble.down_since is None else 60.0)
+        finally:
+            connections.close_all()
+
+    def _prune(self, trouble: DbTrouble) -> None:
+        """Delete the history older than ``HISTORY_RETENTION`` a batch at a time, pausing between batches."""
+        retention = self.settings.history_retention
+        began, deleted = time.monotonic(), 0
+        while retention is not None and not self._stopping.is_set():
+            sent = time.monotonic()
+            done = trouble.call(store.prune_batch, retention, PRUNE_BATCH)
+            if done is FAILED or not done:
+                break
+            if not deleted:
+                logger.info(
+                    "Pruning the run history: runs that ended more than %s ago",
+                    format_ms(int(retention * 1000)),
+                    extra={"instance": self.instance_id},
+                )
+            deleted += done
+            # At most half of the time on it: the database and this process serve the runs first.
+            self._stopping.wait(max(0.01, time.monotonic() - sent))
+        if deleted:
+            logger.info(
+                "Pruned %d old run(s) in %.1fs", deleted, time.monotonic() - began, extra={"instance": self.instance_id}
+            )
+        trouble.call(store.prune_instances)
+
     def _housekeeping(self) -> None:
         self._measure_clock()
         self.trouble.call(
@@ -698,9 +757,6 @@ class Engine:
         now = time.monotonic()
         if now < self._next_prune:
             return
-        deleted = self.trouble.call(store.prune, self.settings.history_retention)
-        if deleted not in (FAILED, 0):
-            logger.info("Pruned %d old run(s)", deleted, extra={"instance": self.instance_id})
         if self._next_prune:  # not at start, where ensure_jobs() has just run
             self.trouble.call(store.ensure_jobs, self.jobs.values())
         closed = self.trouble.call(store.close_undeclared, UNDECLARED_GRACE_S)

@@ -525,6 +525,28 @@ def test_cancel_pending_runs_needs_its_permission_skips_them_and_logs_who(django
     assert entry.user.get_username() == "oncall" and "cancelled by oncall" in entry.get_change_message()
 
 
+def test_cancel_with_select_all_reads_only_the_pending_runs(admin_client: Client, monkeypatch: Any) -> None:
+    """ "Select all" on the history selects every run ever kept: only the pending ones are loaded."""
+    at = datetime(2024, 3, 5, 12, 0, tzinfo=UTC)
+    Run.objects.bulk_create(
+        Run(job=EVERY, slot=n, status=Status.SUCCESS, reason=Reason.SCHEDULED, scheduled_at=at, finished_at=at)
+        for n in range(1, 1500)
+    )
+    waiting = make_run(status=Status.PENDING, reason=Reason.MANUAL, manual=True, started_at=None, finished_at=None)
+    loaded = []
+    real = Run.from_db.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(Run, "from_db", classmethod(lambda cls, *a: loaded.append(1) or real(cls, *a)))
+    response = admin_client.post(
+        url("run_changelist"),
+        {"action": "cancel", "select_across": "1", "_selected_action": [waiting.pk], "index": "0"},
+        follow=True,
+    )
+    messages = [str(m) for m in response.context["messages"]]
+    assert "Cancelled 1 pending run." in messages and any("1499 selected runs were not pending" in m for m in messages)
+    assert Run.objects.get(pk=waiting.pk).status == Status.SKIPPED
+    assert len(loaded) < 200, f"{len(loaded)} runs loaded to cancel one"
+
+
 # -- run data, job page buttons, run again, history -------------------------------------------
 
 

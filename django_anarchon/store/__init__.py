@@ -55,6 +55,8 @@ from .housekeeping import (
     overdue_since,
     paused_among,
     prune,
+    prune_batch,
+    prune_instances,
     register_instance,
     unregister_instance,
 )
@@ -95,6 +97,8 @@ __all__ = [
     "paused_among",
     "poll",
     "prune",
+    "prune_batch",
+    "prune_instances",
     "register_instance",
     "renew",
     "retry_cannot_fix",

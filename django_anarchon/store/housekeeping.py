@@ -139,38 +139,56 @@ def database_time() -> datetime:
     return raw  # type: ignore[no-any-return]
 
 
-def prune(retention: float | None, batch: int = 1000) -> int:
+def prune(retention: float | None, batch: int = 500) -> int:
     """Delete finished runs older than ``retention`` seconds (None keeps them) and instances silent for a day.
 
+    Every batch at once; the scheduler itself calls :func:`prune_batch` with
+    pauses between batches (see ``Engine._run_pruner``).
+    """
+    deleted = 0
+    while retention is not None and (done := prune_batch(retention, batch)):
+        deleted += done
+    prune_instances()
+    return deleted
+
+
+def prune_batch(retention: float, batch: int = 500) -> int:
+    """Delete up to ``batch`` finished runs older than ``retention`` seconds; how many were deleted (0: none left).
+
     What catch-up needs of the deleted runs, each job's newest scheduled slot,
-    is kept in ``JobState.pruned_slot``, so that a job whose last run is older
-    than the retention (a monthly job, a week's retention) still catches up.
+    is kept in ``JobState.pruned_slot`` first, so that a job whose last run is
+    older than the retention (a monthly job, a week's retention) still catches
+    up. That write takes the job rows' locks (which claims take too), so it is
+    a transaction of its own, over in a moment; the runs are deleted after it
+    commits, holding no job lock. A crash in between leaves the runs and a
+    floor that is no newer than they are: nothing is lost, the next prune
+    deletes them.
     """
     db = alias()
-    deleted = 0
-    cutoff = ExpressionWrapper(DbNow() - timedelta(seconds=retention or 0), output_field=DateTimeField())
-    while retention is not None:
-        ids = list(
-            _runs()
-            .filter(finished_at__lt=cutoff)
-            .exclude(status__in=[Status.RUNNING, Status.PENDING])
-            .values_list("id", flat=True)[:batch]
-        )
-        if not ids:
-            break
-        newest = _newest_scheduled_slots(_runs().filter(id__in=ids))
+    cutoff = ExpressionWrapper(DbNow() - timedelta(seconds=retention), output_field=DateTimeField())
+    ids = list(
+        _runs()
+        .filter(finished_at__lt=cutoff)
+        .exclude(status__in=[Status.RUNNING, Status.PENDING])
+        .values_list("id", flat=True)[:batch]
+    )
+    if not ids:
+        return 0
+    newest = _newest_scheduled_slots(_runs().filter(id__in=ids))
+    if newest:
         with transaction.atomic(using=db):
-            # Catch-up counts from a job's newest scheduled slot on record: keep
-            # it on the job's row before the runs that hold it go (job rows
-            # first, in name order, like every claim).
+            # Job rows in name order, like every claim.
             for name in sorted(newest):
                 JobState.objects.using(db).filter(name=name).filter(
                     Q(pruned_slot__isnull=True) | Q(pruned_slot__lt=newest[name])
                 ).update(pruned_slot=newest[name])
-            deleted += _runs().filter(id__in=ids).delete()[0]
+    return int(_runs().filter(id__in=ids).delete()[0])
+
+
+def prune_instances() -> None:
+    """Remove instances that have sent no heartbeat for a day from the instance list."""
     stale = ExpressionWrapper(DbNow() - timedelta(days=1), output_field=DateTimeField())
-    Instance.objects.using(db).filter(last_heartbeat__lt=stale).delete()
-    return deleted
+    Instance.objects.using(alias()).filter(last_heartbeat__lt=stale).delete()
 
 
 class _Guarded(threading.local):
