@@ -567,6 +567,56 @@ def test_catch_up_all_runs_every_missed_slot_in_order_one_at_a_time() -> None:
     assert [r.slot for r in nxt.won] == [SLOT + 20_000], "oldest first, one at a time"
 
 
+def test_a_catch_up_waits_for_a_run_left_from_before_the_outage_rather_than_be_skipped() -> None:
+    """Killed mid-run with the whole cluster: the run is still on record as running when the first
+    instance comes back. The missed slot is owed a run after it (overlap="skip", catch_up="latest")."""
+    job = make_job(every="10s")
+    [dead] = decide([store.Claim(job, SLOT)], owner="dead").won
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 50_000)], owner="back")
+    assert outcome.won == [] and outcome.skipped == []
+    [owed] = Run.objects.filter(reason="catch-up")
+    assert (owed.slot, owed.status) == (SLOT + 50_000, "pending"), owed.detail
+    assert JobState.objects.get(name="job").missed_count == 4
+    store.finish(dead.id, owner="dead", status="success")  # (or taken over and ended)
+    nxt = store.claim_pending(["job"], {"job": job}, owner="back", instance_id="i", ttl=TTL, capacity=5)
+    assert [(r.slot, r.reason) for r in nxt.won] == [(SLOT + 50_000, "catch-up")]
+
+
+def test_under_replace_catch_ups_run_in_order_and_do_not_replace_one_another() -> None:
+    job = make_job(every="10s", catch_up="all", overlap="replace")
+    _ran(job, SLOT)
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 30_000)])
+    [first] = outcome.won
+    assert first.slot == SLOT + 10_000
+    held = store.claim_pending(["job"], {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=5)
+    assert held.won == [] and held.interrupted == [], "a catch-up waits for the one running"
+    store.finish(first.id, owner="me", status="success")
+    nxt = store.claim_pending(["job"], {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=5)
+    assert [r.slot for r in nxt.won] == [SLOT + 20_000] and nxt.interrupted == []
+    # A manual run still replaces what runs, as run_now() under replace does.
+    manual = store.create_manual("job", None, slot=SLOT + 25_000)
+    again = store.claim_pending(["job"], {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=5)
+    assert [r.id for r in again.won] == [manual.id] and [r.slot for r in again.interrupted] == [SLOT + 20_000]
+
+
+def test_slots_missed_before_a_pause_made_while_the_cluster_was_down_are_recorded() -> None:
+    """Paused during the outage and still paused when an instance comes back: the slots before the
+    pause were nobody's to skip, and are recorded missed (the window is not looked at again)."""
+    job = make_job(every="10s", catch_up="all")
+    _ran(job, SLOT)
+    JobState.objects.filter(name="job").update(paused=True, paused_at=store.slot_datetime(SLOT + 25_000))
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 50_000)], owner="back")
+    assert outcome.won == [] and not Run.objects.filter(reason="catch-up").exists()
+    [missed] = outcome.missed
+    assert missed.slot == SLOT + 20_000 and missed.detail.startswith("2 slot(s) missed from ")
+    assert "paused after them" in missed.detail and JobState.objects.get(name="job").missed_count == 2
+    # Resumed later: those slots are counted once, and the paused ones stay unrecorded.
+    JobState.objects.filter(name="job").update(paused=False, resumed_at=store.slot_datetime(SLOT + 55_000))
+    later = decide([], [store.CatchUp(job, until=SLOT + 60_000)], owner="later")
+    assert later.missed == [] and JobState.objects.get(name="job").missed_count == 2
+    assert not Run.objects.filter(job="job", slot__in=[SLOT + 30_000, SLOT + 40_000, SLOT + 50_000]).exists()
+
+
 def test_catch_up_all_is_bounded_and_warns(caplog: pytest.LogCaptureFixture) -> None:
     job = make_job(every="1s", catch_up="all")
     _ran(job, SLOT)

@@ -246,8 +246,8 @@ def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
     ``replace`` runs (the caller interrupts what runs); ``allow`` never gets here.
     Under ``queue`` the job may have no active run, only a slot waiting to start.
     """
-    if claim.wait:  # catch_up="all": every missed slot runs, one after another
-        return Status.PENDING, "waiting for the job's previous run to end (catch_up='all')"
+    if claim.wait:  # a catch-up: every missed slot it runs waits its turn, one after another
+        return Status.PENDING, "waiting for the job's previous run to end (a catch-up)"
     if claim.job.overlap == "queue" and view.queued:
         return Status.SKIPPED, f"a run is already queued (slot {_iso(view.queued[0].slot)})"
     active = view.active[0]
@@ -297,7 +297,22 @@ def _expand_catch_ups(
             (slot for slot in (last.get(job.name), state.pruned_slot) if slot is not None),
             default=None,
         )
-        if floor is None or state.paused:
+        if floor is None:
+            continue
+        if state.paused:
+            # Paused now: nothing is run, and slots from the pause on stay unrecorded. The slots
+            # between the newest record and the pause were the job's own and nobody ran them:
+            # recorded missed now, as this window is not looked at again after the resume.
+            paused_from = _ms(state.paused_at)
+            if paused_from is not None and paused_from > floor:
+                before, count = job.schedule.slots_between(floor, min(paused_from - 1, catch_up.until), 1)
+                if count:
+                    first = job.schedule.next_after(floor)
+                    detail = (
+                        f"{count} slot(s) missed from {_iso(first)} to {_iso(before[-1])} while no instance "
+                        f"ran them; not run: the job was paused after them"
+                    )
+                    missed.append(_missed(job.name, before[-1], count, detail, owner=owner, instance_id=instance_id))
             continue
         # The job's last pause: from when it was paused until it was resumed (with no pause
         # time on record, every slot before the resume counts as paused).
@@ -350,8 +365,11 @@ def _expand_catch_ups(
         to_run = recent[-limit:] if limit else []
         not_run_slots = recent[: len(recent) - len(to_run)]
         not_run = count - len(to_run)
-        for index, slot in enumerate(to_run):
-            claims.append(Claim(job, slot, Reason.CATCH_UP, wait=index > 0))
+        # Every catch-up waits for the job to be free rather than be skipped: a run still on
+        # record as running is one from before the outage (taken over, or about to be), and
+        # the missed slot is owed a run after it, under "latest" as under "all".
+        for slot in to_run:
+            claims.append(Claim(job, slot, Reason.CATCH_UP, wait=True))
         if job.catch_up == "all" and count > CATCH_UP_LIMIT:
             logger.warning(
                 "Job %r missed %d slots; catch_up='all' runs the newest %d and records the rest as missed",

@@ -58,8 +58,8 @@ def claim_pending(
     Under the job locks, re-reads what each job is doing: a handed-over attempt
     (attempt > 1) always may start; a first attempt starts if the job's overlap
     allows it now (``allow``: always; ``skip``/``queue``: when nothing of the job
-    is active, oldest first, one at a time; ``replace``: interrupting what
-    runs). Queued and catch-up runs of a paused job are skipped; manual runs
+    is active, oldest first, one at a time; ``replace``: a manual run interrupts
+    what runs, a catch-up waits for it). Queued and catch-up runs of a paused job are skipped; manual runs
     and takeovers still run. The claim is a conditional UPDATE
     ``pending -> running``; rowcount 1 means won.
     """
@@ -92,8 +92,11 @@ def claim_pending(
                     if started_here:
                         break  # one at a time
                     if view.active:
-                        if job.overlap != "replace":
-                            break  # waits until the active run ends
+                        if job.overlap != "replace" or not row.manual:
+                            # Waits until the active run ends. Under replace only a manual
+                            # run replaces: catch-ups of an outage are older than what runs,
+                            # and would replace one another (and the current slot) in turn.
+                            break
                         replace_ids.extend(r.id for r in view.active if r.id is not None)
                     started_here = True
                 chosen.append(row)
