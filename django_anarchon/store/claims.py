@@ -305,14 +305,10 @@ def _expand_catch_ups(
             # recorded missed now, as this window is not looked at again after the resume.
             paused_from = _ms(state.paused_at)
             if paused_from is not None and paused_from > floor:
-                before, count = job.schedule.slots_between(floor, min(paused_from - 1, catch_up.until), 1)
-                if count:
-                    first = job.schedule.next_after(floor)
-                    detail = (
-                        f"{count} slot(s) missed from {_iso(first)} to {_iso(before[-1])} while no instance "
-                        f"ran them; not run: the job was paused after them"
-                    )
-                    missed.append(_missed(job.name, before[-1], count, detail, owner=owner, instance_id=instance_id))
+                why = "not run: the job was paused after them"
+                missed.extend(
+                    _missed_before_pause(job, floor, min(paused_from - 1, catch_up.until), why, owner, instance_id)
+                )
             continue
         # The job's last pause: from when it was paused until it was resumed (with no pause
         # time on record, every slot before the resume counts as paused).
@@ -339,14 +335,10 @@ def _expand_catch_ups(
                 # Slots due after the newest record and before the pause were the job's own:
                 # nobody ran them (the cluster was down), and they are recorded as missed. They
                 # are not run after the resume: the job was paused after them.
-                before, count = job.schedule.slots_between(floor, min(paused_from - 1, catch_up.until), 1)
-                if count:
-                    first = job.schedule.next_after(floor)
-                    detail = (
-                        f"{count} slot(s) missed from {_iso(first)} to {_iso(before[-1])} while no instance "
-                        f"ran them; not run after the job was paused and resumed"
-                    )
-                    missed.append(_missed(job.name, before[-1], count, detail, owner=owner, instance_id=instance_id))
+                why = "not run after the job was paused and resumed"
+                missed.extend(
+                    _missed_before_pause(job, floor, min(paused_from - 1, catch_up.until), why, owner, instance_id)
+                )
             floor = resumed
         came_back = decided_by_catch_up.get(job.name)
         if (
@@ -409,6 +401,16 @@ def _missed_spans(job: Job, since: int) -> list[tuple[int, int]]:
 def _paused_then(slot: int, paused_from: int | None, resumed: int | None) -> bool:
     """Whether ``slot`` fell in the job's last pause (from ``paused_from``, or from ever, to ``resumed``)."""
     return resumed is not None and slot < resumed and (paused_from is None or slot >= paused_from)
+
+
+def _missed_before_pause(job: Job, floor: int, until: int, why: str, owner: str, instance_id: str) -> list[Run]:
+    """The ``missed`` record of the slots after ``floor`` up to ``until`` (before a pause), if any."""
+    before, count = job.schedule.slots_between(floor, until, 1)
+    if not count:
+        return []
+    first = job.schedule.next_after(floor)
+    detail = f"{count} slot(s) missed from {_iso(first)} to {_iso(before[-1])} while no instance ran them; {why}"
+    return [_missed(job.name, before[-1], count, detail, owner=owner, instance_id=instance_id)]
 
 
 def _ms(moment: datetime | None) -> int | None:
