@@ -61,6 +61,15 @@ class Job:
     def is_task_job(self) -> bool:
         return self.task is not None
 
+    def refuse_data_for_dataless_task(self, data: Any, caller: str) -> None:
+        """Raise if ``data`` is given to a task job whose task takes none (it would be dropped silently)."""
+        if data is not None and self.task_arguments is not None and not self.task_arguments.data:
+            raise JobDeclarationError(
+                self.name,
+                f"its task {self.origin} takes no 'data' argument, so {caller}() cannot pass data={data!r}; "
+                f"add a 'data' parameter to the task's function, or call {caller}() without data",
+            )
+
 
 def _origin(handler: Any) -> str:
     code = getattr(handler, "__code__", None)

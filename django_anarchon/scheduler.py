@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 
 from .clock import sleep
 from .conf import check_json, get_settings, problems
-from .exceptions import JobDeclarationError, SettingsError
+from .exceptions import AnarchonError, JobDeclarationError, SettingsError
 from .registry import Declarations, Job, Registry
 
 if TYPE_CHECKING:
@@ -129,12 +129,7 @@ class Scheduler(Declarations):
 
     def _run_data(self, job: Job, data: Any) -> Any:
         if data is not None:
-            if job.task_arguments is not None and not job.task_arguments.data:
-                raise JobDeclarationError(
-                    job.name,
-                    f"its task {job.origin} takes no 'data' argument, so run_now() cannot pass data={data!r}; "
-                    "add a 'data' parameter to the task's function, or call run_now() without data",
-                )
+            job.refuse_data_for_dataless_task(data, "run_now")
             return check_json(data, f"The data given to run_now({job.name!r})")
         return job.data if job.has_data else get_settings().data
 
@@ -151,11 +146,24 @@ class Scheduler(Declarations):
         handed over), and the record returned says how it ended; None if it was
         set before the run could start (nothing was claimed).
         """
+        from django.db import connections
+
         from . import store
         from .engine import Engine
 
         job = self.job(name)
         payload = self._run_data(job, data)
+        if connections[store.alias()].in_atomic_block:
+            # The run's row would be written in the caller's transaction, where the engine's own
+            # connections (renewals, the end) cannot see it: on SQLite they wait on its lock, on
+            # PostgreSQL the run is lost, and stopping closed the caller's connection.
+            raise AnarchonError(
+                f"run_once({name!r}) cannot run inside a transaction (an atomic() block; Django's TestCase "
+                "wraps each test in one): its run is recorded and its lease kept on connections of its own, "
+                "which cannot see this one's uncommitted writes. In a test, call "
+                f"django_anarchon.testing.run_job({name!r}) (or use TransactionTestCase); elsewhere, call it "
+                "outside atomic()"
+            )
         settings = get_settings()
         engine = Engine([job], settings, instance_id=instance_id, schedule_jobs=False)
         engine.start()

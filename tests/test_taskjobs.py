@@ -335,6 +335,13 @@ def test_run_job_enqueues_a_task_jobs_task_in_the_tests_transaction() -> None:
     sched.every("boom", "1s", task=tasks.fail_now)
     failed = run_job("boom", scheduler=sched, slot=6_000)
     assert failed.status == "failed" and isinstance(failed.error, TaskFailed)
+    # As the scheduler records it: the task that raised leaves none of its writes.
+    assert not Execution.objects.filter(job="task:fail_now").exists()
+    # Data for a task that takes none is refused, as run_now() and --run refuse it, not dropped.
+    sched.every("slot-only", "1s", task=tasks.slot_only)
+    with pytest.raises(JobDeclarationError, match=r"takes no 'data' argument, so run_job\(\) cannot pass"):
+        run_job("slot-only", scheduler=sched, data={"lost": True})
+    assert run_job("slot-only", scheduler=sched).status == "success"
 
 
 # -- admin -----------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import TestCase
 
-from django_anarchon import Context, Interrupted, Scheduler
+from django_anarchon import AnarchonError, Context, Interrupted, Scheduler
 from django_anarchon.models import Run
 from django_anarchon.testing import Outcome, make_context, run_job
 from tests.testapp.models import Execution
@@ -119,3 +119,14 @@ class InDjangoTestCase(TestCase):
     def test_and_the_next_test_starts_clean(self) -> None:
         self.assertEqual(Execution.objects.count(), 0)
         self.assertEqual(run_job("async-writer", scheduler=scheduler_with_jobs()).status, "success")
+
+    def test_run_once_refuses_the_tests_transaction_and_leaves_its_connection_alone(self) -> None:
+        # run_once() (and `--run`) records its run on connections of its own: inside the test's
+        # transaction it would wait on SQLite's lock or lose the run, and it closed this connection.
+        Execution.objects.create(job="mine", slot=1, attempt=1, reason="x", instance_id="", pid=0, event="e", at=0.0)
+        with self.assertRaisesRegex(AnarchonError, r"cannot run inside a transaction .*run_job\('writer'\)"):
+            scheduler_with_jobs().run_once("writer")
+        self.assertEqual(Execution.objects.count(), 1)  # the test's connection still answers
+
+    def test_the_next_test_still_has_its_connection(self) -> None:
+        self.assertEqual(Execution.objects.count(), 0)
