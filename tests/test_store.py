@@ -443,7 +443,7 @@ def test_queue_keeps_at_most_one_waiting_slot() -> None:
     queued = decide([store.Claim(job, SLOT + 1000)], owner="b")
     assert queued.won == [] and queued.skipped == []
     waiting = Run.objects.get(slot=SLOT + 1000)
-    assert waiting.status == "pending" and waiting.owner == "" and "queued behind" in waiting.detail
+    assert waiting.status == "pending" and waiting.owner == "" and waiting.detail.startswith("queued: the previous run")
     third = decide([store.Claim(job, SLOT + 2000)], owner="c")
     assert [r.slot for r in third.skipped] == [SLOT + 2000]
     # The queued slot starts as soon as the running one ends.

@@ -254,7 +254,7 @@ def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
     if claim.job.overlap == "skip":
         return Status.SKIPPED, _busy_detail(active)
     if claim.job.overlap == "queue":
-        return Status.PENDING, "queued behind " + _busy_detail(active)
+        return Status.PENDING, "queued: " + _busy_detail(active)
     return Status.RUNNING, ""
 
 
