@@ -920,7 +920,7 @@ def test_prune_deletes_only_old_finished_runs() -> None:
     recent = decide([store.Claim(job, SLOT + 1000)]).won[0]
     store.finish(recent.id, owner="me", status="success")
     running = decide([store.Claim(job, SLOT + 2000)]).won[0]
-    assert store.prune(retention=7 * 86400) == 1
+    assert store.prune_batch(7 * 86400, 500) == 1
     assert set(Run.objects.values_list("id", flat=True)) == {recent.id, running.id}
 
 
@@ -933,7 +933,7 @@ def test_a_job_whose_whole_history_was_pruned_still_catches_up() -> None:
     assert manual is not None
     store.finish(manual.id, owner="me", status="success")
     Run.objects.update(finished_at=timezone.now() - timedelta(days=10))
-    assert store.prune(retention=7 * 86400) == 3
+    assert store.prune_batch(7 * 86400, 500) == 3
     assert not Run.objects.exists()
     # The newest scheduled slot, not the later manual one, is the floor.
     assert JobState.objects.get(name="job").pruned_slot == SLOT + 10_000
@@ -949,7 +949,7 @@ def test_pruning_never_moves_the_catch_up_floor_back() -> None:
     _ran(job, SLOT)
     JobState.objects.filter(name="job").update(pruned_slot=SLOT + 90_000)
     Run.objects.update(finished_at=timezone.now() - timedelta(days=10))
-    assert store.prune(retention=7 * 86400) == 1
+    assert store.prune_batch(7 * 86400, 500) == 1
     assert JobState.objects.get(name="job").pruned_slot == SLOT + 90_000
 
 

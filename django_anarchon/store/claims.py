@@ -303,12 +303,10 @@ def _expand_catch_ups(
             # Paused now: nothing is run, and slots from the pause on stay unrecorded. The slots
             # between the newest record and the pause were the job's own and nobody ran them:
             # recorded missed now, as this window is not looked at again after the resume.
-            paused_from = _ms(state.paused_at)
-            if paused_from is not None and paused_from > floor:
-                why = "not run: the job was paused after them"
-                missed.extend(
-                    _missed_before_pause(job, floor, min(paused_from - 1, catch_up.until), why, owner, instance_id)
-                )
+            why = "not run: the job was paused after them"
+            missed.extend(
+                _missed_before_pause(job, floor, _ms(state.paused_at), catch_up.until, why, owner, instance_id)
+            )
             continue
         # The job's last pause: from when it was paused until it was resumed (with no pause
         # time on record, every slot before the resume counts as paused).
@@ -331,14 +329,11 @@ def _expand_catch_ups(
                 slot = job.schedule.next_after(slot)
             continue
         if resumed is not None and resumed > floor:
-            if paused_from is not None and paused_from > floor:
-                # Slots due after the newest record and before the pause were the job's own:
-                # nobody ran them (the cluster was down), and they are recorded as missed. They
-                # are not run after the resume: the job was paused after them.
-                why = "not run after the job was paused and resumed"
-                missed.extend(
-                    _missed_before_pause(job, floor, min(paused_from - 1, catch_up.until), why, owner, instance_id)
-                )
+            # Slots due after the newest record and before the pause were the job's own:
+            # nobody ran them (the cluster was down), and they are recorded as missed. They
+            # are not run after the resume: the job was paused after them.
+            why = "not run after the job was paused and resumed"
+            missed.extend(_missed_before_pause(job, floor, paused_from, catch_up.until, why, owner, instance_id))
             floor = resumed
         came_back = decided_by_catch_up.get(job.name)
         if (
@@ -403,9 +398,13 @@ def _paused_then(slot: int, paused_from: int | None, resumed: int | None) -> boo
     return resumed is not None and slot < resumed and (paused_from is None or slot >= paused_from)
 
 
-def _missed_before_pause(job: Job, floor: int, until: int, why: str, owner: str, instance_id: str) -> list[Run]:
-    """The ``missed`` record of the slots after ``floor`` up to ``until`` (before a pause), if any."""
-    before, count = job.schedule.slots_between(floor, until, 1)
+def _missed_before_pause(
+    job: Job, floor: int, paused_from: int | None, until: int, why: str, owner: str, instance_id: str
+) -> list[Run]:
+    """The ``missed`` record of the slots after ``floor``, up to ``until`` and before the pause, if any."""
+    if paused_from is None or paused_from <= floor:
+        return []
+    before, count = job.schedule.slots_between(floor, min(paused_from - 1, until), 1)
     if not count:
         return []
     first = job.schedule.next_after(floor)

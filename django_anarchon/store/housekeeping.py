@@ -139,21 +139,10 @@ def database_time() -> datetime:
     return raw  # type: ignore[no-any-return]
 
 
-def prune(retention: float | None, batch: int = 500) -> int:
-    """Delete finished runs older than ``retention`` seconds (None keeps them) and instances silent for a day.
-
-    Every batch at once; the scheduler itself calls :func:`prune_batch` with
-    pauses between batches (see ``Engine._run_pruner``).
-    """
-    deleted = 0
-    while retention is not None and (done := prune_batch(retention, batch)):
-        deleted += done
-    prune_instances()
-    return deleted
-
-
-def prune_batch(retention: float, batch: int = 500) -> int:
+def prune_batch(retention: float, batch: int) -> int:
     """Delete up to ``batch`` finished runs older than ``retention`` seconds; how many were deleted (0: none left).
+
+    The scheduler calls it a batch at a time, with pauses between (see ``Engine._run_pruner``).
 
     What catch-up needs of the deleted runs, each job's newest scheduled slot,
     is kept in ``JobState.pruned_slot`` first, so that a job whose last run is
