@@ -211,10 +211,33 @@ def test_deciding_reads_only_the_job_columns_it_uses() -> None:
 
 
 def test_paused_among_names_the_paused_jobs_of_those_asked_about() -> None:
-    for name, paused in (("a", True), ("b", False), ("it's", True), ("other", True)):
+    odd = ['quo"te', "back\\slash", "{brace,comma}", "NULL"]
+    for name, paused in (("a", True), ("b", False), ("it's", True), ("other", True), *((o, True) for o in odd)):
         JobState.objects.create(name=name, first_seen=timezone.now(), paused=paused)
     assert store.paused_among(["a", "b", "it's", "missing"]) == {"a", "it's"}
+    assert store.paused_among([*odd, "b"]) == set(odd)
     assert store.paused_among([]) == set()
+
+
+def test_paused_among_sends_the_same_statement_text_for_any_names_on_postgresql() -> None:
+    """The loop asks this every second of the jobs claimed ahead: psycopg parses a text it has seen once only."""
+    from django.db import connection
+
+    sent: list[str] = []
+
+    def keep(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if "jobstate" in sql:  # not a new connection's own set-up (PRAGMA, SET)
+            sent.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(keep):
+        store.paused_among(["a"])
+        store.paused_among([f"job-{n}" for n in range(100)])
+    assert len(sent) == 2, sent
+    if connection.vendor == "postgresql":
+        assert sent[0] == sent[1] and "ANY(" in sent[0], sent
+    else:
+        assert sent[0] != sent[1], "a list of placeholders (SQLite) or literals (MySQLdb) elsewhere"
 
 
 def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsewhere() -> None:
