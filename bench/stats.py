@@ -30,6 +30,15 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
     }
 
 
+def first_latenesses(starts: list[Start], first_ms: int, end_ms: int) -> list[float]:
+    """The lateness (s) of the first start of every (job, slot) with ``first_ms <= slot < end_ms``."""
+    first: dict[tuple[str, int], float] = {}
+    for start in starts:
+        if first_ms <= start.slot_ms < end_ms and start.reason != "manual":
+            first.setdefault((start.job, start.slot_ms), start.lateness)
+    return list(first.values())
+
+
 def lateness(starts: list[Start], jobs: int, every_ms: int, first_ms: int, end_ms: int) -> dict[str, Any]:
     """Lateness of the first start of every (job, slot) with ``first_ms <= slot < end_ms``.
 

@@ -9,7 +9,11 @@ references are APScheduler 3's BackgroundScheduler in one process, measured in t
   trivial handler, one instance against APScheduler with its default pool (10 threads);
 * **lateness**: 100 jobs every second, 1 and 3 instances, with the trivial handler (against
   APScheduler's default pool) and with a handler that writes one row with the ORM (against
-  APScheduler with the same handler and 16 threads, the default ``MAX_WORKERS``);
+  APScheduler with the same handler and 16 threads, the default ``MAX_WORKERS``). Cost and
+  lateness are measured in ``ROUNDS`` rounds, each reference and each configuration once per
+  round, and each one's starts pooled over its rounds: the p99 of one window moved by ±15 %
+  between back-to-back windows of the same code (the 99th percentile of 100 starts a second is
+  set by a few slow seconds), and machine drift in one window fell on one side only;
 * **capacity**: 3 instances and more and more 1 s jobs of the ORM handler: the share of slots
   started within 1 s of their slot, p99, CPU per run and duplicates; the capacity is the most
   jobs with at least 99.9 % on time and no duplicate. APScheduler with the same handler and 16
@@ -25,6 +29,7 @@ import math
 import subprocess
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 from bench import machine, recorder, stats
@@ -35,6 +40,7 @@ EVERY_MS = 1000
 WARM_UP = 3  # whole seconds from "every instance is ready" to the first measured slot
 ON_TIME_S = 1.0
 ON_TIME_TARGET = 0.999
+ROUNDS = 3  # cost and lateness: interleaved rounds, pooled (see the module's docstring)
 
 
 def seconds(quick: bool) -> int:
@@ -60,6 +66,27 @@ def _summary(starts: list[recorder.Start], jobs: int, first: int, end: int, cpu_
     result["on_time"] = _on_time(starts, first, end, result["expected"])
     result["cpu_s"] = round(cpu_s, 3)
     result["cpu_per_run_ms"] = round(cpu_s / result["runs"] * 1000, 3) if result["runs"] else math.nan
+    result["_late_s"] = stats.first_latenesses(starts, first, end)  # for _pooled; not written out
+    return result
+
+
+def _pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's rounds as one measurement: latenesses pooled, counts and CPU summed."""
+    late = [s for r in rounds for s in r.pop("_late_s")]
+    result = dict(rounds[0])
+    for key in ("runs", "expected", "missing", "duplicates", "cpu_s", "takeovers", "log_errors", "unaccounted"):
+        if key in result:
+            result[key] = round(sum(r[key] for r in rounds), 3)
+    for key in ("by_reason", "statuses"):
+        if key in result:
+            result[key] = dict(sum((Counter(r[key]) for r in rounds), Counter()))
+    expected = result["expected"]
+    result.update(stats.summary_ms(late))
+    result["completeness"] = round(result["runs"] / expected, 4) if expected else math.nan
+    result["on_time"] = round(sum(r["on_time"] * r["expected"] for r in rounds) / expected, 4) if expected else math.nan
+    result["cpu_per_run_ms"] = round(result["cpu_s"] / result["runs"] * 1000, 3) if result["runs"] else math.nan
+    result["rounds"] = len(rounds)
+    result["p99_ms_by_round"] = [r["p99_ms"] for r in rounds]
     return result
 
 
@@ -187,20 +214,26 @@ def _accounting(rows: Any, names: list[str], first: int, end: int) -> dict[str, 
 def run(ctx: Context) -> dict[str, Any]:
     duration = seconds(ctx.quick)
     results: dict[str, Any] = {"every_s": EVERY_MS / 1000, "on_time_within_s": ON_TIME_S}
-    # Cost and lateness at the defaults, 100 jobs.
-    ctx.log("load: references, APScheduler with the trivial handler (10 threads) and the ORM handler (16)")
-    results["reference_record"] = apscheduler(ctx, 100, "record", 10, duration)
-    results["reference_orm"] = apscheduler(ctx, 100, "orm", 16, duration)
-    results["lateness"] = []
-    for handler in ("record", "orm"):
-        for instances in (1, 3):
-            ctx.log(f"load: 100 jobs, {handler} handler, {instances} instance(s), defaults")
-            measured = anarchon(ctx, 100, handler, instances, duration)
+    # Cost and lateness at the defaults, 100 jobs: the references and ours in turn, ROUNDS times.
+    configs = [("record", 1), ("record", 3), ("orm", 1), ("orm", 3)]
+    references: dict[str, list[dict[str, Any]]] = {"record": [], "orm": []}
+    ours: dict[tuple[str, int], list[dict[str, Any]]] = {config: [] for config in configs}
+    each = max(duration // ROUNDS, 5)
+    for round_ in range(1, ROUNDS + 1):
+        ctx.log(f"load: round {round_} of {ROUNDS}: APScheduler (trivial handler, 10 threads; ORM handler, 16)")
+        references["record"].append(apscheduler(ctx, 100, "record", 10, each))
+        references["orm"].append(apscheduler(ctx, 100, "orm", 16, each))
+        for handler, instances in configs:
+            measured = anarchon(ctx, 100, handler, instances, each)
             ctx.log(
-                f"  p99 {measured['p99_ms']} ms, on time {measured['on_time']:.2%}, "
+                f"  100 jobs, {handler} handler, {instances} instance(s): p99 {measured['p99_ms']} ms "
+                f"(APScheduler {references[handler][-1]['p99_ms']} ms), on time {measured['on_time']:.2%}, "
                 f"CPU/run {measured['cpu_per_run_ms']} ms"
             )
-            results["lateness"].append(measured)
+            ours[(handler, instances)].append(measured)
+    results["reference_record"] = _pooled(references["record"])
+    results["reference_orm"] = _pooled(references["orm"])
+    results["lateness"] = [_pooled(ours[config]) for config in configs]
     # Capacity: more and more jobs of the ORM handler on three instances.
     counts = (100, 200, 400) if ctx.quick else (100, 200, 300, 400, 600)
     if not ctx.primary:
@@ -209,6 +242,7 @@ def run(ctx: Context) -> dict[str, Any]:
     for jobs in counts:
         ctx.log(f"load: capacity, {jobs} jobs, orm handler, 3 instances")
         measured = anarchon(ctx, jobs, "orm", 3, duration)
+        measured.pop("_late_s")
         ctx.log(f"  on time {measured['on_time']:.2%}, p99 {measured['p99_ms']} ms, dup {measured['duplicates']}")
         results["capacity"].append(measured)
         if measured["on_time"] < 0.9:
@@ -219,11 +253,14 @@ def run(ctx: Context) -> dict[str, Any]:
         results["reference_capacity"] = []
         for jobs in counts[:3]:
             ctx.log(f"load: APScheduler, {jobs} jobs, orm handler, 16 threads")
-            results["reference_capacity"].append(apscheduler(ctx, jobs, "orm", 16, duration))
+            reference = apscheduler(ctx, jobs, "orm", 16, duration)
+            reference.pop("_late_s")
+            results["reference_capacity"].append(reference)
     # Overload: twice the capacity, then the load drops.
     heavy = max(2 * results["capacity_jobs"], 200)
     ctx.log(f"load: overload, {heavy} jobs, orm handler, 3 instances, most paused after {duration // 2}s")
     results["overload"] = anarchon(ctx, heavy, "orm", 3, duration, pause_after=duration // 2)
+    results["overload"].pop("_late_s")
     over = results["overload"]
     ctx.log(
         f"  duplicates {over['duplicates']}, unaccounted {over['unaccounted']}, takeovers {over['takeovers']}, "
