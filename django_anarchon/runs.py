@@ -655,7 +655,9 @@ class RunTable:
             level = END_LEVELS.get(status, logging.INFO)
         if not logger.isEnabledFor(level):
             return  # most ends are INFO lines: a project logging from WARNING builds none of it
-        duration = (active.returned_at or time.monotonic()) - active.started
+        # A run ended before its handler was called (stopped, lost or paused before its slot) ran for
+        # no time at all: its line says so, and its duration field is None.
+        duration = (active.returned_at or time.monotonic()) - active.started if active.ran else None
         fields = {**log_fields(run, self.instance_id), "duration": duration}
         if what is None:
             fields["status"] = run.status
@@ -663,14 +665,14 @@ class RunTable:
                 after = f"{after} error={run.error_type}: {run.error_message}"
         logger.log(
             level,
-            "Run %s: %s slot=%s attempt=%d reason=%s instance=%s duration=%.3fs%s",
+            "Run %s: %s slot=%s attempt=%d reason=%s instance=%s %s%s",
             what if what is not None else run.status,
             run.job,
             run.slot,
             run.attempt,
             run.reason,
             self.instance_id,
-            duration,
+            "handler not started" if duration is None else f"duration={duration:.3f}s",
             after,
             exc_info=(type(error), error, error.__traceback__) if error is not None else None,
             extra=fields,

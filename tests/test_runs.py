@@ -179,3 +179,28 @@ def test_skipped_and_replaced_runs_are_announced_through_the_outbox() -> None:
         signal.disconnect(listener)
     assert names == [signals.run_interrupted, signals.run_skipped]
     assert active.state is Phase.DONE and active.cause == "lost"
+
+
+def test_a_run_ended_before_its_handler_was_called_is_logged_without_a_duration(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Lost before its slot, it ran for no time at all: "handler not started", not the time since its claim."""
+    caplog.set_level(logging.DEBUG, logger="django_anarchon")
+    table = table_with()
+    never, ran = held(table, 1), held(table, 2)
+    never.started -= 5  # claimed ahead, a while ago
+    assert ran.begin_start()
+    for active in (never, ran):
+        table.lose(active, "its lease was lost")
+    table.finish(never, never.signal.reason, started=False)
+    table.returned(ran)
+    table.finish(ran, ran.signal.reason)
+    ends = {
+        record.job: record  # type: ignore[attr-defined]
+        for record in caplog.records
+        if record.getMessage().startswith(("Run not started", "Run ended after"))
+    }
+    assert ends.keys() == {"job-1", "job-2"}, [r.getMessage() for r in caplog.records]
+    assert ends["job-1"].getMessage().endswith("instance=runs-test handler not started"), ends["job-1"].getMessage()
+    assert ends["job-1"].duration is None  # type: ignore[attr-defined]
+    assert " duration=" in ends["job-2"].getMessage() and ends["job-2"].duration >= 0  # type: ignore[attr-defined]
