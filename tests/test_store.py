@@ -599,10 +599,14 @@ def test_a_catch_up_waits_for_a_run_left_from_before_the_outage_rather_than_be_s
     assert outcome.won == [] and outcome.skipped == []
     [owed] = Run.objects.filter(reason="catch-up")
     assert (owed.slot, owed.status) == (SLOT + 50_000, "pending"), owed.detail
+    assert owed.detail == "waiting for the job's previous run to end (a catch-up)"
     assert JobState.objects.get(name="job").missed_count == 4
     store.finish(dead.id, owner="dead", status="success")  # (or taken over and ended)
     nxt = store.claim_pending(["job"], {"job": job}, owner="back", instance_id="i", ttl=TTL, capacity=5)
     assert [(r.slot, r.reason) for r in nxt.won] == [(SLOT + 50_000, "catch-up")]
+    # Once started, the row no longer reads as if it were still waiting (it says why it started late).
+    assert nxt.won[0].detail == "waited for the job's previous run to end (a catch-up)"
+    assert Run.objects.get(id=owed.id).detail == "waited for the job's previous run to end (a catch-up)"
 
 
 def test_under_replace_catch_ups_run_in_order_and_do_not_replace_one_another() -> None:

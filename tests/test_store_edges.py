@@ -114,6 +114,7 @@ def test_catch_up_beyond_the_free_workers_waits_as_pending_runs_instead_of_vanis
         [j.name for j in jobs], {j.name: j for j in jobs}, owner="other", instance_id="i-o", ttl=TTL, capacity=5
     )
     assert sorted(r.job for r in later.won) == owed, "another instance with free workers runs them"
+    assert {r.detail for r in later.won} == {"waited for a free worker (MAX_WORKERS)"}, "no longer 'waiting'"
     assert Run.objects.filter(reason="catch-up").count() == 5
     assert not Run.objects.filter(status="pending").exists()
 

@@ -38,6 +38,14 @@ NOTIFY_CHANNEL = "django_anarchon"
 # "all" catch-up runs at most this many missed slots of a job; older ones are
 # recorded as missed, with a warning.
 CATCH_UP_LIMIT = 100
+# Why a catch-up run waits as pending, and what its row says once it has started (a success row
+# that still read "waiting for ..." looked, in the admin, as if the run had not started yet).
+WAITING_FOR_A_WORKER = "waiting for a free worker (MAX_WORKERS)"
+WAITING_FOR_THE_PREVIOUS_RUN = "waiting for the job's previous run to end (a catch-up)"
+STARTED_AFTER_WAITING = {
+    WAITING_FOR_A_WORKER: "waited for a free worker (MAX_WORKERS)",
+    WAITING_FOR_THE_PREVIOUS_RUN: "waited for the job's previous run to end (a catch-up)",
+}
 
 
 def alias() -> str:

@@ -15,6 +15,8 @@ from ..slots import BEHIND_DETAIL, SHED_LIMIT, CatchUp, Claim
 from . import statements
 from .base import (
     CATCH_UP_LIMIT,
+    WAITING_FOR_A_WORKER,
+    WAITING_FOR_THE_PREVIOUS_RUN,
     Outcome,
     _busy_detail,
     _interrupt,
@@ -186,7 +188,7 @@ def _decide(
                     continue
                 # A missed slot is owed a run: it waits as a pending run for whichever
                 # instance has a free worker first, rather than vanish unrecorded.
-                status, detail = Status.PENDING, "waiting for a free worker (MAX_WORKERS)"
+                status, detail = Status.PENDING, WAITING_FOR_A_WORKER
             if status == Status.RUNNING:
                 budget -= 1
                 if busy and job.overlap == "replace":
@@ -247,7 +249,7 @@ def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
     Under ``queue`` the job may have no active run, only a slot waiting to start.
     """
     if claim.wait:  # a catch-up: every missed slot it runs waits its turn, one after another
-        return Status.PENDING, "waiting for the job's previous run to end (a catch-up)"
+        return Status.PENDING, WAITING_FOR_THE_PREVIOUS_RUN
     if claim.job.overlap == "queue" and view.queued:
         return Status.SKIPPED, f"a run is already queued (slot {_iso(view.queued[0].slot)})"
     active = view.active[0]

@@ -13,6 +13,7 @@ from ..models import JobState, Reason, Run, Status
 from ..registry import Job
 from . import statements
 from .base import (
+    STARTED_AFTER_WAITING,
     Outcome,
     Poll,
     _interrupt,
@@ -118,6 +119,7 @@ def claim_pending(
                     instance_id=instance_id,
                     started_at=DbNow(),
                     lease_expires_at=db_in(ttl),
+                    detail=STARTED_AFTER_WAITING.get(row.detail, row.detail),
                 )
             )
             if won:
