@@ -79,6 +79,8 @@ CATCH_UP_BATCH = 500
 SKEW_WARN_MS = 1000.0
 # On stopping, the least time the signal thread gets to send what is queued (see Engine.stop).
 SIGNALS_GRACE_S = 5.0
+# On stopping, how long the instance's row may take to be removed before the process goes on without.
+UNREGISTER_WAIT_S = 2.0
 # After an unexpected error (not a database outage) during start-up, the wait before trying again.
 STARTUP_RETRY_S = 5.0
 # A run claimed ahead waits for its slot, and a pause committed after its claim read the job's
@@ -191,10 +193,13 @@ class Engine:
         deadline = time.monotonic() + grace
         self._stopping.set()
         self._wake.set()
+        # The handlers' signals first: the loop may be held up in a query to a database that does
+        # not answer, and waiting for it first spent the whole grace before any handler heard of
+        # the stop. A run the loop wins after this is aborted as it is added (RunTable.stop).
+        self.table.stop(self.instance_id)
         for thread in self._threads:
             if thread.name == "anarchon-loop":
                 thread.join(max(0.0, deadline - time.monotonic()))
-        self.table.stop(self.instance_id)
         for active in self.table.all():
             active.finished.wait(max(0.0, deadline - time.monotonic()))
         clean = self.table.hand_over_stragglers(grace)
@@ -203,8 +208,9 @@ class Engine:
             active.ended.wait(max(0.0, min(2.0, deadline + 2.0 - time.monotonic())))
         self.keeper.stop()
         self.runner.workers.close()
+        joined_by = time.monotonic() + 2.0  # for all of them: each may be held up by a database that does not answer
         for thread in self._threads:
-            thread.join(2.0)
+            thread.join(max(0.0, joined_by - time.monotonic()))
         self.recorder.stop()
         # The signals of the last ends (failure alerts among them) get what is left of the grace,
         # and at least SIGNALS_GRACE_S: a grace spent on handlers must not cost the alerts.
@@ -219,20 +225,34 @@ class Engine:
         return clean
 
     def _unregister(self) -> None:
-        """Remove this instance's row from the live instances, on the thread that stops the engine.
+        """Remove this instance's row from the live instances, waiting at most ``UNREGISTER_WAIT_S``.
 
-        That thread may not have queried since an outage killed its connection (the
-        loop's threads noticed, it did not): its first try then fails on the dead
-        connection, which is dropped, and a second goes on a fresh one.
+        On a thread of its own, so that a database that does not answer (a frozen server, a
+        network that drops packets) cannot keep the process from exiting: the row is then
+        left to show as stale. The first try may fail on a connection an outage killed,
+        which is dropped, and a second goes on a fresh one.
         """
-        for _ in range(2):
-            if self.trouble.call(store.unregister_instance, self.token) is not FAILED:
-                return
-        logger.warning(
-            "Could not remove instance %s from the live instances on stopping; it shows as stale until pruned",
-            self.instance_id,
-            extra={"instance": self.instance_id},
-        )
+        done = threading.Event()
+
+        def unregister() -> None:
+            try:
+                for _ in range(2):
+                    if self.trouble.call(store.unregister_instance, self.token) is not FAILED:
+                        done.set()
+                        return
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=unregister, name="anarchon-unregister", daemon=True)
+        thread.start()
+        thread.join(UNREGISTER_WAIT_S)
+        if not done.is_set():
+            logger.warning(
+                "Could not remove instance %s from the live instances on stopping%s; it shows as stale until pruned",
+                self.instance_id,
+                "" if not thread.is_alive() else f" (the database did not answer within {UNREGISTER_WAIT_S:g}s)",
+                extra={"instance": self.instance_id},
+            )
 
     @property
     def stopping(self) -> bool:

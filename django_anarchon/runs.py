@@ -223,16 +223,22 @@ class RunTable:
         self._active: dict[int, ActiveRun] = {}
         self._lock = threading.Lock()
         self._typical_s: float | None = None  # recent handler durations (moving average), for capacity()
+        self._stopping: Interrupted | None = None  # set by stop(): runs added from then on are aborted at once
 
     # -- the table -------------------------------------------------------------------------
 
     def add(self, active: ActiveRun) -> None:
-        with self._lock:
-            self._active[active.run.id] = active  # type: ignore[index]
+        self.add_many([active])
 
     def add_many(self, actives: list[ActiveRun]) -> None:
         with self._lock:
             self._active.update((active.run.id, active) for active in actives)  # type: ignore[misc]
+            stopping = self._stopping
+        if stopping is not None:
+            # Won by a claim that was still under way when stop() aborted the others (the loop
+            # can be held up by a database that does not answer): never started, handed over.
+            for active in actives:
+                active.abort("stop", stopping)
 
     def get(self, run_id: int | None) -> ActiveRun | None:
         with self._lock:
@@ -424,7 +430,10 @@ class RunTable:
             f"the scheduler on {instance_id} is stopping (stop(), SIGTERM or SIGINT); "
             "raise to hand the run over, return if it is done"
         )
-        for active in self.all():
+        with self._lock:
+            self._stopping = reason
+            held = list(self._active.values())
+        for active in held:
             active.abort("stop", reason)
 
     def hand_over_stragglers(self, grace: float) -> bool:

@@ -1161,6 +1161,51 @@ def test_stopping_removes_the_instance_even_if_an_outage_killed_the_stopping_thr
     assert not Instance.objects.filter(instance_id="dies-on-stop").exists()
 
 
+def test_stop_aborts_the_handlers_at_once_and_returns_while_the_database_does_not_answer(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen database server (or a network that drops packets) holds the loop in a query for as long
+    as it lasts, with no error. The handlers must still hear of the stop at once (they get SHUTDOWN_GRACE
+    to end; the loop's query took all of it first), and stopping must not wait for the database to
+    remove the instance's row (the process could not exit until the database answered)."""
+    started = threading.Event()
+    ended_at: list[float] = []
+
+    def long(ctx: Context) -> None:
+        started.set()
+        try:
+            ctx.sleep(30)
+        finally:
+            ended_at.append(time.monotonic())
+
+    sched.every("long", "1s", long)
+    start(sched)
+    engine = running_engine(sched)
+    assert started.wait(5)
+    real_poll, hung, release = store.poll, threading.Event(), threading.Event()
+
+    def hanging_poll(*args: Any, **kwargs: Any) -> Any:
+        hung.set()
+        release.wait(30)
+        return real_poll(*args, **kwargs)
+
+    monkeypatch.setattr(store, "poll", hanging_poll)
+    monkeypatch.setattr(store, "unregister_instance", lambda token: release.wait(30))
+    try:
+        assert hung.wait(5), "the loop did not poll"
+        stop_at = time.monotonic()
+        sched.stop(timeout=3)
+        stopped_in = time.monotonic() - stop_at
+    finally:
+        release.set()
+        for thread in engine._threads:
+            thread.join(5)
+    assert ended_at and ended_at[0] - stop_at < 1.0, f"the handler heard of the stop {ended_at[0] - stop_at:.1f}s late"
+    # The grace (the loop is waited for that long), 2 s for the threads, 2 s for the row, and a margin.
+    assert stopped_in < 3 + 2 + 2 + 1.5, f"stop() took {stopped_in:.1f}s"
+    assert Run.objects.get(job="long", attempt=1).status == "interrupted", "handed over, as on any stop"
+
+
 def test_a_job_more_frequent_than_the_claim_ahead_has_no_slot_missed_while_the_instance_runs(sched: Scheduler) -> None:
     """Slots of a 100 ms job come due several in one loop turn (the instance claims up to a quarter
     of a second ahead): each is claimed as scheduled. None may be counted missed "while no instance

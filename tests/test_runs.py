@@ -204,3 +204,15 @@ def test_a_run_ended_before_its_handler_was_called_is_logged_without_a_duration(
     assert ends["job-1"].getMessage().endswith("instance=runs-test handler not started"), ends["job-1"].getMessage()
     assert ends["job-1"].duration is None  # type: ignore[attr-defined]
     assert " duration=" in ends["job-2"].getMessage() and ends["job-2"].duration >= 0  # type: ignore[attr-defined]
+
+
+def test_a_run_added_after_stop_is_aborted_at_once() -> None:
+    """The loop can win a run after stop() aborted the others (its claim was held up by a database that
+    did not answer): that run must never start, and be handed over like the rest."""
+    table = table_with()
+    before = held(table, 1)
+    table.stop("runs-test")
+    after = held(table, 2)
+    for active in (before, after):
+        assert active.signal.aborted and active.cause == "stop", active.run.id
+    assert not after.begin_start(), "aborted before its start: its handler is never called"
