@@ -31,6 +31,9 @@ class _Failed:
 # What DbTrouble.call() returns when the call raised a database error.
 FAILED: Any = _Failed()
 MAX_BACKOFF_S = 2.0
+# A call that took this long is logged: a database that stops answering without refusing (a frozen
+# server, a network that drops packets) raises nothing, and the log said nothing of it otherwise.
+SLOW_CALL_S = 5.0
 
 
 # How many database errors the scheduler's own threads have met in this process. A
@@ -69,12 +72,27 @@ class DbTrouble:
         self._failed_this_turn = False
 
     def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Call ``function``; on a database error note it (see :meth:`failed`) and return ``FAILED``."""
+        """Call ``function``; on a database error note it (see :meth:`failed`) and return ``FAILED``.
+
+        A call that took ``SLOW_CALL_S`` or longer is logged (WARNING) once it returns.
+        """
+        sent = time.monotonic()
         try:
             return function(*args, **kwargs)
         except DatabaseError as error:
             self.failed(error)
             return FAILED  # type: ignore[no-any-return]
+        finally:
+            took = time.monotonic() - sent
+            if took >= SLOW_CALL_S:
+                logger.warning(
+                    "The database took %.1fs to answer %s on %s (a server that was frozen or overloaded, "
+                    "or a network that dropped packets)",
+                    took,
+                    self.what,
+                    self.instance_id,
+                    extra={"instance": self.instance_id},
+                )
 
     def failed(self, error: BaseException) -> None:
         """A database error: drop the connection, and log it if it starts an outage."""

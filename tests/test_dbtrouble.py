@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 from django.db import OperationalError
 
@@ -40,3 +43,19 @@ def test_a_clean_turn_ends_the_outage_once_and_clears_the_back_off(caplog: pytes
     trouble.end_turn()
     assert trouble.backoff == 0.0 and trouble.down_since is None
     assert caplog.text.count("Database is back on i1 for lease renewals") == 1
+
+
+def test_a_call_the_database_was_slow_to_answer_is_logged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen server raises nothing: the call just waits. Once it returns, the log says how long it took."""
+    from django_anarchon import dbtrouble
+
+    monkeypatch.setattr(dbtrouble, "SLOW_CALL_S", 0.05)
+    caplog.set_level(logging.WARNING, logger="django_anarchon")
+    trouble = DbTrouble("the loop", "slow-test", lambda: "default")
+    assert trouble.call(lambda: "quick") == "quick"
+    assert not caplog.records
+    assert trouble.call(lambda: time.sleep(0.1) or "late") == "late"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("The database took 0.1s to answer the loop on slow-test"), line
