@@ -81,6 +81,9 @@ SKEW_WARN_MS = 1000.0
 SIGNALS_GRACE_S = 5.0
 # On stopping, how long the instance's row may take to be removed before the process goes on without.
 UNREGISTER_WAIT_S = 2.0
+# On stopping, what the waits after the grace period (ends being recorded, threads, the row) share
+# at most, when the database does not answer: the process exits within the grace and this.
+AFTER_GRACE_S = 4.0
 # After an unexpected error (not a database outage) during start-up, the wait before trying again.
 STARTUP_RETRY_S = 5.0
 # A run claimed ahead waits for its slot, and a pause committed after its claim read the job's
@@ -203,29 +206,32 @@ class Engine:
         for active in self.table.all():
             active.finished.wait(max(0.0, deadline - time.monotonic()))
         clean = self.table.hand_over_stragglers(grace)
+        # What follows shares AFTER_GRACE_S past the grace: with a healthy database it takes no time,
+        # and with one that does not answer each wait below would otherwise add its own seconds.
+        after = deadline + AFTER_GRACE_S
         # Ends still being recorded (the stragglers' hand-overs too) get a moment more.
         for active in self.table.all():
             active.ended.wait(max(0.0, min(2.0, deadline + 2.0 - time.monotonic())))
         self.keeper.stop()
         self.runner.workers.close()
-        joined_by = time.monotonic() + 2.0  # for all of them: each may be held up by a database that does not answer
+        joined_by = min(time.monotonic() + 2.0, after)  # for all of them: each may be held up by the database
         for thread in self._threads:
             thread.join(max(0.0, joined_by - time.monotonic()))
-        self.recorder.stop()
+        self.recorder.stop(min(5.0, max(0.5, after - time.monotonic())))
         # The signals of the last ends (failure alerts among them) get what is left of the grace,
         # and at least SIGNALS_GRACE_S: a grace spent on handlers must not cost the alerts.
         self.outbox.close(max(deadline - time.monotonic(), SIGNALS_GRACE_S))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self.schedule_jobs:
-            self._unregister()
+            self._unregister(max(0.5, min(UNREGISTER_WAIT_S, after - time.monotonic())))
         connections.close_all()
         self.stopped.set()
         logger.info("Scheduler %s stopped", self.instance_id, extra={"instance": self.instance_id})
         return clean
 
-    def _unregister(self) -> None:
-        """Remove this instance's row from the live instances, waiting at most ``UNREGISTER_WAIT_S``.
+    def _unregister(self, wait: float = UNREGISTER_WAIT_S) -> None:
+        """Remove this instance's row from the live instances, waiting at most ``wait`` seconds.
 
         On a thread of its own, so that a database that does not answer (a frozen server, a
         network that drops packets) cannot keep the process from exiting: the row is then
@@ -245,12 +251,12 @@ class Engine:
 
         thread = threading.Thread(target=unregister, name="anarchon-unregister", daemon=True)
         thread.start()
-        thread.join(UNREGISTER_WAIT_S)
+        thread.join(wait)
         if not done.is_set():
             logger.warning(
                 "Could not remove instance %s from the live instances on stopping%s; it shows as stale until pruned",
                 self.instance_id,
-                "" if not thread.is_alive() else f" (the database did not answer within {UNREGISTER_WAIT_S:g}s)",
+                "" if not thread.is_alive() else f" (the database did not answer within {wait:.1f}s)",
                 extra={"instance": self.instance_id},
             )
 
