@@ -234,24 +234,17 @@ class ClusterCollector:
         from datetime import timedelta
 
         from django.db import DatabaseError
-        from django.db.models import Max
 
         from . import store
         from .conf import get_settings
-        from .models import Instance, JobState, Run, Status
+        from .models import Instance, JobState
 
         alive, age = self._families()
         try:
             now = store.database_time()
             fresh = now - timedelta(seconds=3 * get_settings().heartbeat_every)
             alive.add_metric([], Instance.objects.using(store.alias()).filter(last_heartbeat__gte=fresh).count())
-            last = dict(
-                Run.objects.using(store.alias())
-                .filter(status=Status.SUCCESS)
-                .values("job")
-                .annotate(at=Max("finished_at"))
-                .values_list("job", "at")
-            )
+            last = store.newest_successes()
             # Counted as job_overdue counts (store.overdue_since); a paused job has no series (its
             # slots are not run, so it is not overdue).
             states = JobState.objects.using(store.alias()).filter(paused=False)

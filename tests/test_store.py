@@ -219,6 +219,68 @@ def test_paused_among_names_the_paused_jobs_of_those_asked_about() -> None:
     assert store.paused_among([]) == set()
 
 
+def test_newest_successes_is_when_each_jobs_newest_success_ended() -> None:
+    """What job_overdue and the last-success gauge count from; failures, runs still running and manual
+    successes of other jobs do not count, and a job that never succeeded is left out."""
+    now = timezone.now().replace(microsecond=123000)
+    for name in ("a", "b", "never", "it's"):
+        JobState.objects.create(name=name, first_seen=now)
+
+    def row(job: str, slot: int, status: str, ended: Any, manual: bool = False) -> Run:
+        return Run(
+            job=job, slot=slot, status=status, reason="manual" if manual else "scheduled", manual=manual,
+            scheduled_at=now, finished_at=ended,
+        )  # fmt: skip
+
+    Run.objects.bulk_create(
+        [
+            row("a", SLOT, "success", now - timedelta(seconds=30)),
+            row("a", SLOT + 1000, "success", now - timedelta(seconds=10)),
+            row("a", SLOT + 2000, "failed", now),  # newer, but not a success
+            row("b", SLOT, "success", now - timedelta(seconds=5), manual=True),
+            row("b", SLOT + 1000, "running", None),
+            row("never", SLOT, "failed", now),
+            row("it's", SLOT, "success", now - timedelta(seconds=1)),
+        ]
+    )
+    assert store.newest_successes(["a", "b", "never", "it's", "missing"]) == {
+        "a": now - timedelta(seconds=10),
+        "b": now - timedelta(seconds=5),
+        "it's": now - timedelta(seconds=1),
+    }
+    assert store.newest_successes() == store.newest_successes(["a", "b", "never", "it's"])
+    assert store.newest_successes([]) == {}
+
+
+def test_newest_successes_looks_each_job_up_in_the_successes_index() -> None:
+    """One lookup per job: without the index (or with a plan that cannot use the partial one, as when
+    the status is sent as a parameter) it read every success of the job's history."""
+    from django.db import connection
+
+    sent: list[str] = []
+
+    def keep(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        sent.append(sql % tuple(repr(p) for p in params or ()))
+        return execute(sql, params, many, context)
+
+    JobState.objects.create(name="a", first_seen=timezone.now())
+    with connection.execute_wrapper(keep):
+        store.newest_successes(["a"])
+    (sql,) = sent
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("EXPLAIN QUERY PLAN " + sql)
+            plan = " ".join(str(r[-1]) for r in cursor.fetchall())
+        elif connection.vendor == "postgresql":
+            cursor.execute("SET LOCAL enable_seqscan = off")  # a table of one row would be read whole
+            cursor.execute("EXPLAIN " + sql)
+            plan = " ".join(r[0] for r in cursor.fetchall())
+        else:
+            cursor.execute("EXPLAIN " + sql)
+            plan = " ".join(str(r) for r in cursor.fetchall())
+    assert "anarchon_run_successes" in plan, plan
+
+
 def test_paused_among_sends_the_same_statement_text_for_any_names_on_postgresql() -> None:
     """The loop asks this every second of the jobs claimed ahead: psycopg parses a text it has seen once only."""
     from django.db import connection

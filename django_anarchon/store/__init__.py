@@ -61,7 +61,7 @@ from .housekeeping import (
 )
 from .leases import finish, finish_enqueued, finish_many, hand_over, renew, save_progress, take_over
 from .pending import cancel_pending, claim_manual, claim_pending, create_manual, poll
-from .statements import lock_jobs
+from .statements import lock_jobs, newest_successes
 
 __all__ = [
     "CATCH_UP_LIMIT",
@@ -91,6 +91,7 @@ __all__ = [
     "limit_idle_transactions",
     "live_instances",
     "lock_jobs",
+    "newest_successes",
     "notify",
     "overdue_since",
     "paused_among",

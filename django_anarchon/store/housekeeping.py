@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, transaction
-from django.db.models import DateTimeField, ExpressionWrapper, Max, Q
+from django.db.models import DateTimeField, ExpressionWrapper, Q
 
 from ..dbtime import DbNow
 from ..models import Instance, JobState, Status
@@ -256,13 +256,7 @@ def claim_overdue_alerts(jobs: Iterable[Job]) -> list[Overdue]:
         return []
     db = alias()
     now = database_time()
-    last = dict(
-        _runs()
-        .filter(job__in=list(wanted), status=Status.SUCCESS)
-        .values("job")
-        .annotate(at=Max("finished_at"))
-        .values_list("job", "at")
-    )
+    last = statements.newest_successes(sorted(wanted))
     states = JobState.objects.using(db).filter(name__in=list(wanted), paused=False)
     found = []
     rows = states.values_list("name", "first_seen", "resumed_at", "overdue_alerted_at")

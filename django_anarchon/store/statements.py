@@ -329,6 +329,37 @@ def paused_among(names: Sequence[str]) -> set[str]:
         return {row[0] for row in cursor.fetchall()}
 
 
+def newest_successes(names: Sequence[str] | None = None) -> dict[str, datetime]:
+    """When the newest successful run of each job (of ``names``; of every job by default) ended.
+
+    One lookup per job in the index ``anarchon_run_successes`` (partial): the status is written into
+    the statement, as a partial index is used only where the query names its very condition (a
+    parameter is not known to be ``'success'`` when the plan is made). A job that never succeeded
+    (or whose successes were pruned) is not in the result.
+    """
+    connection = connections[alias()]
+    run, state = _name(connection, Run), _name(connection, JobState)
+    name = _name(connection, JobState, "name")
+    finished = _name(connection, Run, "finished_at")
+    # ORDER BY ... LIMIT 1 rather than MAX(): MariaDB reads every entry of the job for a MAX() in
+    # a correlated subquery, and only the last one for this.
+    sql = (
+        f"SELECT {name}, (SELECT r.{finished} FROM {run} r "  # noqa: S608 - names and a constant
+        f"WHERE r.{_name(connection, Run, 'job')} = s.{name} AND r.{_name(connection, Run, 'status')} = "
+        f"'{Status.SUCCESS}' AND r.{finished} IS NOT NULL ORDER BY r.{finished} DESC LIMIT 1) FROM {state} s"
+    )
+    params: list[str] = []
+    if names is not None:
+        if not names:
+            return {}
+        in_names, params = _texts(connection, names)
+        sql += f" WHERE s.{name} IN ({in_names})"
+    converters = _converters(connection, Run, Run._meta.get_field("finished_at"))
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {str(job): _converted(at, converters, connection) for job, at in cursor.fetchall() if at is not None}
+
+
 def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
     """What the jobs ``names`` are doing (running and pending rows) and which of ``slots`` they decided.
 
