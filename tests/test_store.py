@@ -316,10 +316,13 @@ def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsew
     ]
     if connection.vendor == "postgresql":
         assert len(statements) == 1 and "django_anarchon_claim(" in statements[0], statements
+    elif connection.vendor == "sqlite":
+        # The first look (no lock), then one INSERT ... SELECT that decides and returns what it won.
+        assert len(statements) == 2, statements
+        assert statements[0].startswith("SELECT") and "RETURNING" in statements[1], statements
     else:
-        # The first look, the lock (and on SQLite the UPDATE that takes it), what the jobs are doing,
-        # and an INSERT that returns the rows it wrote.
-        assert len(statements) <= 5, statements
+        # The first look, the lock, what the jobs are doing, and an INSERT that returns the rows it wrote.
+        assert len(statements) <= 4, statements
         assert "RETURNING" in statements[-1] or not connection.features.can_return_rows_from_bulk_insert
 
 
@@ -353,7 +356,7 @@ def test_claims_on_one_connection_reuse_one_cursor_which_users_execute_wrappers_
     from django.db import connection
 
     if connection.vendor != "postgresql":
-        pytest.skip("the one-statement claim exists on PostgreSQL only")
+        pytest.skip("PostgreSQL's claim function only: SQLite's statement differs from claim to claim")
     job = make_job(overlap="allow")
     store.ensure_jobs([job])
     cursors: list[Any] = []
@@ -384,7 +387,8 @@ def test_claims_still_work_and_say_so_when_the_claim_function_was_not_migrated(
 
     job = make_job()
     if connection.vendor != "postgresql":
-        assert not sql.can_claim_in_one_statement([store.Claim(job, SLOT)]), "PostgreSQL only"
+        one = connection.vendor == "sqlite" and connection.features.can_return_rows_from_bulk_insert
+        assert sql.can_claim_in_one_statement([store.Claim(job, SLOT)]) is one, "PostgreSQL and SQLite only"
         return
     monkeypatch.setattr(sql, "CLAIM_FUNCTION", "django_anarchon_claim_not_migrated")
     monkeypatch.setattr(sql, "_MISSING_FUNCTION", set())
@@ -396,9 +400,10 @@ def test_claims_still_work_and_say_so_when_the_claim_function_was_not_migrated(
 
 
 def test_names_and_data_with_quotes_backslashes_braces_and_commas_are_claimed_intact() -> None:
-    """On PostgreSQL the claim's arrays are written as literals: every character must survive."""
-    names = ['say "hi"', "back\\slash", "{braces},comma", "NULL", "ünï cödé ✓", "trailing\\"]
-    data = {"quote": '"', "backslash": "\\", "braces": "{a,b}", "null": None, "text": "NULL"}
+    """On PostgreSQL the claim's arrays are written as literals, on SQLite the data and the slots' times
+    (in a statement that Django's cursor rewrites, "%s" being its placeholder): every character must survive."""
+    names = ['say "hi"', "back\\slash", "{braces},comma", "NULL", "ünï cödé ✓", "trailing\\", "it's 5% %s"]
+    data = {"quote": '"', "backslash": "\\", "braces": "{a,b}", "null": None, "text": "NULL", "percent": "5% %s %%s"}
     jobs = [make_job(name, data=data) for name in names]
     store.ensure_jobs(jobs)
     outcome = decide([store.Claim(job, SLOT) for job in jobs])
@@ -417,8 +422,7 @@ def test_the_claim_function_plans_its_lookups_once_and_never_reads_a_jobs_histor
     from django.db import connection
 
     if connection.vendor != "postgresql":
-        assert not store.statements.can_claim_in_one_statement([store.Claim(make_job(), SLOT)]), "PostgreSQL only"
-        return
+        pytest.skip("PostgreSQL's claim function; SQLite's one statement: the test below")
     job, other = make_job("history-job"), make_job("other-job")
     store.ensure_jobs([job, other])
     old = [
@@ -461,6 +465,74 @@ def test_the_claim_function_plans_its_lookups_once_and_never_reads_a_jobs_histor
         assert "Seq Scan" not in plan and "history-job" not in plan, plan
         removed = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
         assert all(n <= 5 for n in removed), plan
+
+
+def test_the_sqlite_claim_is_one_statement_that_finds_its_rows_by_index() -> None:
+    """SQLite: the claim's INSERT ... SELECT looks each slot up in the unique index and each job's active
+    runs up in the partial index anarchon_run_active (its condition written as the index has it), never
+    passing over a job's history or the other jobs' running runs."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's one-statement claim; PostgreSQL's function: the test above")
+    job, other = make_job("history-job"), make_job("other-job")
+    store.ensure_jobs([job, other])
+    old = [
+        Run(job=job.name, slot=SLOT - (k + 1) * 1000, attempt=1, status="success", reason="scheduled",
+            scheduled_at=timezone.now(), created_at=timezone.now(), finished_at=timezone.now())
+        for k in range(3000)
+    ]  # fmt: skip
+    busy = [
+        Run(job=f"{other.name}-{k}", slot=SLOT, attempt=1, status="running", reason="scheduled",
+            scheduled_at=timezone.now(), created_at=timezone.now(), owner="x")
+        for k in range(300)
+    ]  # fmt: skip
+    Run.objects.bulk_create(old + busy)
+    with CaptureQueriesContext(connection) as sent:
+        [won] = decide([store.Claim(job, SLOT)]).won
+    assert (won.job, won.slot, won.status, won.owner) == (job.name, SLOT, "running", "me")
+    (claim,) = [q["sql"] for q in sent.captured_queries if q["sql"].startswith("WITH")]
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN QUERY PLAN " + claim)
+        plan = [str(row[-1]) for row in cursor.fetchall()]
+    assert any("sqlite_autoindex_django_anarchon_run" in step for step in plan), plan
+    assert any("anarchon_run_active" in step for step in plan), plan
+    assert not any(re.match(r"SCAN (r|django_anarchon_run)\b", step) for step in plan), plan
+
+
+def test_the_one_statement_claim_leaves_to_the_general_path_what_it_cannot_decide() -> None:
+    """A job without a row yet, a job's second slot of one batch, and a slot past the capacity are
+    decided by the general path after the statement; paused jobs and slots decided by others are not."""
+    allow, skip, new, paused, gone = (
+        make_job("allow", overlap="allow"),
+        make_job("skip", overlap="skip"),
+        make_job("new"),
+        make_job("paused"),
+        make_job("gone"),
+    )
+    store.ensure_jobs([allow, skip, paused, gone])
+    JobState.objects.filter(name="paused").update(paused=True)
+    assert len(decide([store.Claim(gone, SLOT)], owner="other").won) == 1
+    claims = [
+        store.Claim(allow, SLOT), store.Claim(allow, SLOT + 1000),
+        store.Claim(skip, SLOT), store.Claim(skip, SLOT + 1000),
+        store.Claim(new, SLOT), store.Claim(paused, SLOT), store.Claim(gone, SLOT),
+    ]  # fmt: skip
+    outcome = decide(claims, now_ms=SLOT + 1000)
+    assert sorted((r.job, r.slot) for r in outcome.won) == [
+        ("allow", SLOT), ("allow", SLOT + 1000), ("new", SLOT), ("skip", SLOT),
+    ]  # fmt: skip
+    assert [(r.job, r.slot, r.detail[:12]) for r in outcome.skipped] == [("skip", SLOT + 1000, "the previous")]
+    assert not Run.objects.filter(job="paused").exists()
+    assert Run.objects.filter(job="gone").values_list("owner", flat=True).get() == "other"
+    # Past the capacity: deferred, and nothing recorded for them.
+    idle = [make_job(f"idle-{n}") for n in range(3)]
+    store.ensure_jobs(idle)
+    outcome = decide([store.Claim(j, SLOT + 5000) for j in idle], capacity=1)
+    assert [(r.job, r.slot) for r in outcome.won] == [("idle-0", SLOT + 5000)]
+    assert sorted(c.job.name for c in outcome.deferred) == ["idle-1", "idle-2"]
+    assert not Run.objects.filter(slot=SLOT + 5000).exclude(job="idle-0").exists()
 
 
 def test_a_batch_mixing_idle_and_busy_jobs_is_decided_by_each_jobs_overlap() -> None:

@@ -23,7 +23,9 @@ The rules, which every function below follows:
   the transaction, once it has committed; a database error raises and wins
   nothing. On PostgreSQL the plain scheduled claim is one call of
   ``django_anarchon_claim()`` (migration 0003), which follows the same rules
-  in one round trip (see :mod:`.sql`).
+  in one round trip (see :mod:`.sql`); on SQLite it is one ``INSERT ... SELECT``
+  (``statements._claim_scheduled_sqlite``), which holds the database's write
+  lock from its start, as the job locks' UPDATE does.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Deciding slots: scheduled and catch-up claims, in one transaction (or one statement on PostgreSQL)."""
+"""Deciding slots: scheduled and catch-up claims, in one transaction (or one statement on PostgreSQL and SQLite)."""
 
 from __future__ import annotations
 
@@ -87,10 +87,10 @@ def decide(
     # waiting slot must also hold back a new one, so those are decided on the Python path.
     plain = [c for c in claims if c.job.overlap != "queue"]
     if plain and not catch_ups and statements.can_claim_in_one_statement(plain):
-        # PostgreSQL: the plain case in one round trip; what it leaves
+        # PostgreSQL and SQLite: the plain case in one statement; what it leaves
         # undecided (busy jobs, jobs with no row yet) takes the Python path.
         try:
-            outcome, rest = statements.claim_scheduled(plain, capacity=capacity, **common)
+            outcome, rest = statements.claim_scheduled(plain, capacity=capacity, first_look=first_look, **common)
         except statements.NoClaimFunction:
             return _decide(claims, (), capacity=capacity, now_ms=now_ms, first_look=first_look, **common)
         if len(plain) < len(claims):

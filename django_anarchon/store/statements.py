@@ -44,6 +44,7 @@ from .base import (
     first_attempt,
     first_attempt_values,
     logger,
+    slot_datetime,
 )
 from .schema import CLAIM_FUNCTION
 
@@ -732,12 +733,17 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def can_claim_in_one_statement(claims: Sequence[Claim]) -> bool:
-    """Whether ``django_anarchon_claim()`` (migration 0003, PostgreSQL) can decide ``claims``.
+    """Whether :func:`claim_scheduled` can decide ``claims``: on PostgreSQL (``django_anarchon_claim()``,
+    migration 0003) and on SQLite with ``RETURNING`` (3.35 and later).
 
     Scheduled claims only: catch-up claims and waiting ones need the Python path.
     """
     db = alias()
-    if connections[db].vendor != "postgresql" or db in _MISSING_FUNCTION:
+    connection = connections[db]
+    if connection.vendor == "postgresql":
+        if db in _MISSING_FUNCTION:
+            return False
+    elif connection.vendor != "sqlite" or not connection.features.can_return_rows_from_bulk_insert:
         return False
     return all(c.reason == Reason.SCHEDULED and not c.wait and not c.shed for c in claims)
 
@@ -760,15 +766,27 @@ def claim_scheduled(
     capacity: int,
     default_data: Any,
     skip_locked: bool,
+    first_look: bool = True,
 ) -> tuple[Outcome, list[Claim]]:
-    """Decide scheduled ``claims`` in one statement (PostgreSQL); return the outcome and the undecided.
+    """Decide scheduled ``claims`` in one statement; return the outcome and the undecided.
 
-    What the function leaves undecided (a busy job, whose overlap policy
+    What the statement leaves undecided (a busy job, whose overlap policy
     decides; a job with no row yet) is for :func:`.claims.decide`'s Python path.
     The call runs in autocommit unless the caller holds a transaction, so what
-    it returns is committed when it returns.
+    it returns is committed when it returns. PostgreSQL: one call of
+    ``django_anarchon_claim()``; SQLite: see :func:`_claim_scheduled_sqlite`.
     """
     db = alias()
+    if connections[db].vendor == "sqlite":
+        return _claim_scheduled_sqlite(
+            claims,
+            owner=owner,
+            instance_id=instance_id,
+            ttl=ttl,
+            capacity=capacity,
+            default_data=default_data,
+            first_look=first_look,
+        )
     ordered = sorted(claims, key=lambda c: (c.slot, c.job.name))
     by_key = {(c.job.name, c.slot): c for c in ordered}
     data = {c.job.name: _resolved_data(c.job, default_data) for c in ordered}
@@ -837,6 +855,131 @@ def claim_scheduled(
             outcome.won.append(row)
     outcome.busy.sort()
     return outcome, undecided
+
+
+def _claim_scheduled_sqlite(
+    claims: Sequence[Claim],
+    *,
+    owner: str,
+    instance_id: str,
+    ttl: float,
+    capacity: int,
+    default_data: Any,
+    first_look: bool,
+) -> tuple[Outcome, list[Claim]]:
+    """:func:`claim_scheduled` on SQLite: one ``INSERT ... SELECT ... RETURNING``, in autocommit.
+
+    A writing statement takes SQLite's write lock before it reads anything (and waits for it
+    within the busy timeout), so the statement decides alone, from everything committed
+    before it, as a claim under the job locks does: it inserts the ``running`` row of each
+    claim (in slot, job order, up to ``capacity``) whose job has a row, is not paused and,
+    unless its overlap is ``allow``, has no active run, and whose slot nobody decided; the
+    unique constraint still turns away a slot taken meanwhile (``ON CONFLICT DO NOTHING``).
+    The general claim took a transaction of five statements, the first writing every job's
+    row to take that lock.
+
+    With ``first_look``, slots already decided are looked up first, without the write lock
+    (:func:`.claims.decide`): a statement of an instance that lost them would take it.
+    What it did not win is looked at again, without a lock: slots someone else decided and
+    jobs paused are left alone; the rest (a busy job, a job with no row yet, a claim past
+    ``capacity``) is returned undecided, for the Python path. So is every claim of a job but
+    its first in the batch, unless the job allows overlaps: a statement does not see its own
+    rows, and the first one may make the job busy.
+    """
+    db = alias()
+    connection = connections[db]
+    ordered = sorted(claims, key=lambda c: (c.slot, c.job.name))
+    if first_look:
+        done = decided(sorted({c.job.name for c in ordered}), sorted({c.slot for c in ordered}))
+        ordered = [c for c in ordered if (c.job.name, c.slot) not in done]
+    outcome = Outcome()
+    sent: list[Claim] = []
+    undecided: list[Claim] = []
+    seen_jobs: set[str] = set()
+    for claim in ordered:
+        name = claim.job.name
+        if claim.job.overlap != "allow" and name in seen_jobs:
+            undecided.append(claim)
+            continue
+        seen_jobs.add(name)
+        sent.append(claim)
+    if not sent:
+        return outcome, undecided
+
+    def text(value: str) -> str:
+        # A literal in the statement's text, which Django's cursor rewrites ("%s" is a placeholder).
+        return "'" + value.replace("'", "''").replace("%", "%%") + "'"
+
+    data_field = Run._meta.get_field("data")
+    data = {c.job.name: _resolved_data(c.job, default_data) for c in sent}
+    texts = {name: None if value is None else json.dumps(value) for name, value in data.items()}
+    data_sql = {
+        name: "NULL" if value is None else text(str(data_field.get_db_prep_save(value, connection)))
+        for name, value in data.items()
+    }
+    moments = {c.slot: text(str(_MOMENT.get_db_prep_save(slot_datetime(c.slot), connection))) for c in sent}
+    rows = ", ".join(
+        f"(%s, {int(c.slot)}, {moments[c.slot]}, {data_sql[c.job.name]}, {1 if c.job.overlap == 'allow' else 0})"
+        for c in sent
+    )
+    q = connection.ops.quote_name
+    now = now_sql(connection)
+    lease_sql, lease_params = _clock_sql(connection, db_in(ttl))
+    columns = (
+        "job, slot, attempt, status, reason, manual, scheduled_at, instance_id, owner, lease_expires_at, "
+        "created_at, started_at, finished_at, data, progress, error_type, error_message, traceback, detail"
+    )
+    run, state = _name(connection, Run), _name(connection, JobState)
+    # The active runs' condition as the partial index anarchon_run_active has it (models.ACTIVE),
+    # written out: SQLite uses a partial index only for a query that names its very condition.
+    active = f"({q('status')} = 'running' OR ({q('attempt')} > 1 AND {q('status')} = 'pending'))"
+    sql = (
+        f"WITH c(job, slot, scheduled_at, data, allow) AS (VALUES {rows}) "  # noqa: S608 - names, ints, literals
+        f"INSERT INTO {run} ({', '.join(q(c.strip()) for c in columns.split(','))}) "
+        f"SELECT c.job, c.slot, 1, %s, %s, 0, c.scheduled_at, %s, %s, {lease_sql}, {now}, "
+        f"MAX({now}, c.scheduled_at), NULL, c.data, NULL, '', '', '', '' "
+        f"FROM c JOIN {state} s ON s.{q('name')} = c.job "
+        f"WHERE NOT s.{q('paused')} "
+        f"AND NOT EXISTS (SELECT 1 FROM {run} r WHERE r.{q('job')} = c.job AND r.{q('slot')} = c.slot "
+        f"AND r.{q('attempt')} = 1 AND r.{q('manual')} = 0) "
+        f"AND (c.allow OR NOT EXISTS (SELECT 1 FROM {run} r WHERE r.{q('job')} = c.job AND {active})) "
+        f"ORDER BY c.slot, c.job LIMIT {int(max(capacity, 0))} "
+        f"ON CONFLICT DO NOTHING RETURNING {q('id')}, {q('job')}, {q('slot')}, "
+        + ", ".join(f"CAST({q(name)} AS CHAR)" for name in _CLAIM_INSTANTS)
+    )
+    params = [*(c.job.name for c in sent), Status.RUNNING, Reason.SCHEDULED, instance_id, owner, *lease_params]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        found = cursor.fetchall()
+    by_key = {(c.job.name, c.slot): c for c in sent}
+    base = first_attempt_values(Status.RUNNING, instance_id=instance_id, owner=owner)
+    converters = {
+        name: (c[0], [_from_text, *c[1]])
+        for name in _CLAIM_INSTANTS
+        for c in [_converters(connection, Run, Run._meta.get_field(name))]
+    }
+    instants: dict[tuple[str, Any], Any] = {}  # each distinct instant converted once
+    won: set[tuple[str, int]] = set()
+    for run_id, job, slot, *moments_found in found:
+        claim = by_key[(job, slot)]
+        won.add((job, slot))
+        own = None if (kept := texts[job]) is None else json.loads(kept)  # each run its own copy of the data
+        row = first_attempt(claim, base, own, db)
+        row.id = run_id
+        for name, raw in zip(_CLAIM_INSTANTS, moments_found, strict=True):
+            if (name, raw) not in instants:
+                instants[(name, raw)] = _converted(raw, converters[name], connection)
+            setattr(row, name, instants[(name, raw)])
+        outcome.won.append(row)
+    outcome.won.sort(key=lambda r: (r.slot, r.job))
+    lost = [c for c in sent if (c.job.name, c.slot) not in won]
+    if lost:
+        # Decided by someone else, or paused: nothing to do. The rest is for the Python path.
+        taken = decided(sorted({c.job.name for c in lost}), sorted({c.slot for c in lost}))
+        lost = [c for c in lost if (c.job.name, c.slot) not in taken]
+        paused = paused_among(sorted({c.job.name for c in lost}))
+        undecided.extend(c for c in lost if c.job.name not in paused)
+    return outcome, sorted(undecided, key=lambda c: (c.slot, c.job.name))
 
 
 def lock_jobs(names: Sequence[str], *, skip_locked: bool = False) -> dict[str, Locked]:
