@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.core.management import call_command
 
@@ -38,3 +40,50 @@ def test_the_run_table_keeps_no_index_on_job_and_status() -> None:
         assert "WHERE" in definition and "'success'" in definition, definition
     else:
         assert indexes["anarchon_run_successes"] == ["job", "status", "finished_at"], indexes
+
+
+def _run_indexes() -> dict[str, list[str]]:
+    from django.db import connection
+
+    from django_anarchon.models import Run
+
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(cursor, Run._meta.db_table)
+    return {name: info["columns"] for name, info in found.items() if info["index"] and not info["unique"]}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migration_0009_goes_both_ways_and_runs_again_after_stopping_half_way() -> None:
+    """Instances run on while it applies: on PostgreSQL every index is built and dropped CONCURRENTLY
+    (a plain CREATE INDEX held back every write, a plain DROP INDEX every read behind any open
+    transaction); and a run stopped between its steps (MariaDB's DDL is not transactional) applies
+    when run again, where it failed with "Duplicate key name"."""
+    from django.db import connection
+
+    from django_anarchon.models import Run, SuccessesIndex
+
+    sent: list[str] = []
+
+    def keep(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if "INDEX" in sql.upper():
+            sent.append(sql)
+        return execute(sql, params, many, context)
+
+    try:
+        with connection.execute_wrapper(keep):
+            call_command("migrate", "django_anarchon", "0008", verbosity=0)
+        indexes = _run_indexes()
+        assert ["job", "status"] in indexes.values() and "anarchon_run_successes" not in indexes, indexes
+        # Half way: the new index made, the old one not yet dropped.
+        with connection.schema_editor(atomic=False) as editor:
+            editor.add_index(Run, SuccessesIndex(name="anarchon_run_successes"))
+        with connection.execute_wrapper(keep):
+            call_command("migrate", "django_anarchon", "0009", verbosity=0)
+        indexes = _run_indexes()
+        assert ["job", "status"] not in indexes.values() and "anarchon_run_successes" in indexes, indexes
+    finally:
+        call_command("migrate", "django_anarchon", verbosity=0)
+    changes = [s for s in sent if s.lstrip().upper().startswith(("CREATE INDEX", "DROP INDEX"))]
+    assert len(changes) == 3, changes  # back: create the old, drop the new; forward: drop the old
+    if connection.vendor == "postgresql":
+        assert all("CONCURRENTLY" in s for s in changes), changes
