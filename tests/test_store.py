@@ -281,6 +281,76 @@ def test_newest_successes_looks_each_job_up_in_the_successes_index() -> None:
     assert "anarchon_run_successes" in plan, plan
 
 
+def test_newest_scheduled_slots_is_each_jobs_newest_slot_but_for_manual_runs() -> None:
+    """What catch-up counts from: a run_now() run (and its takeover attempts) says nothing of which
+    scheduled slots ran, however new; a job with no row in the job table or no run is left out."""
+    now = timezone.now()
+    for name in ("a", "b", "only-manual", "none"):
+        JobState.objects.create(name=name, first_seen=now)
+
+    def row(job: str, slot: int, attempt: int = 1, manual: bool = False, status: str = "success") -> Run:
+        return Run(
+            job=job, slot=slot, attempt=attempt, status=status, manual=manual, scheduled_at=now,
+            reason="manual" if manual else "scheduled",
+        )  # fmt: skip
+
+    Run.objects.bulk_create(
+        [
+            row("a", SLOT),
+            row("a", SLOT + 1000, status="missed"),
+            row("a", SLOT + 1000, attempt=2),
+            row("a", SLOT + 9000, manual=True),
+            row("a", SLOT + 9000, attempt=2, manual=True),
+            row("b", SLOT - 5000),
+            row("only-manual", SLOT, manual=True),
+            row("no-state", SLOT),
+        ]  # fmt: skip
+    )
+    found = store.statements.newest_scheduled_slots(["a", "b", "only-manual", "none", "no-state"])
+    assert found == {"a": SLOT + 1000, "b": SLOT - 5000}
+    assert store.statements.newest_scheduled_slots([]) == {}
+
+
+def test_newest_scheduled_slots_reads_one_row_per_job_however_long_the_history() -> None:
+    """PostgreSQL: the MAX() over each job's rows it replaced read the run table whole at every
+    start-up's catch-up (a Parallel Seq Scan over 300,000 runs: 52 ms, against 2.5 ms)."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("EXPLAIN ANALYZE's row counts are PostgreSQL's; the lookup is the same elsewhere")
+    JobState.objects.bulk_create([JobState(name=f"j{n}", first_seen=timezone.now()) for n in range(5)])
+    Run.objects.bulk_create(
+        [
+            Run(job=f"j{n}", slot=SLOT - k * 1000, attempt=1, status="success", reason="scheduled",
+                scheduled_at=timezone.now())
+            for n in range(5)
+            for k in range(2000)
+        ]
+    )  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE django_anarchon_run")
+    sent: list[tuple[str, Any]] = []
+
+    def keep(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        sent.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(keep):
+        assert store.statements.newest_scheduled_slots([f"j{n}" for n in range(5)]) == {f"j{n}": SLOT for n in range(5)}
+    ((sql, params),) = sent
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+        plan = cursor.fetchone()[0]
+
+    def scans(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        yield node
+        for child in node.get("Plans", []):
+            yield from scans(child)
+
+    runs = [n for n in scans(plan[0]["Plan"]) if n.get("Relation Name") == "django_anarchon_run"]
+    assert runs and all(n["Actual Rows"] <= 1 and "Seq Scan" not in n["Node Type"] for n in runs), plan
+
+
 def test_paused_among_sends_the_same_statement_text_for_any_names_on_postgresql() -> None:
     """The loop asks this every second of the jobs claimed ahead: psycopg parses a text it has seen once only."""
     from django.db import connection

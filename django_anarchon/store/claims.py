@@ -22,7 +22,6 @@ from .base import (
     _interrupt,
     _iso,
     _JobView,
-    _newest_scheduled_slots,
     _resolved_data,
     _runs,
     _views_of,
@@ -281,7 +280,7 @@ def _expand_catch_ups(
     there is one catch-up for the outage and one record for the slot.
     """
     names = [c.job.name for c in catch_ups]
-    last = _newest_scheduled_slots(_runs().filter(job__in=names))
+    last = statements.newest_scheduled_slots(names)
     decided_by_catch_up = {
         job: created
         for job, slot, created in _runs()

@@ -361,6 +361,28 @@ def newest_successes(names: Sequence[str] | None = None) -> dict[str, datetime]:
         return {str(job): _converted(at, converters, connection) for job, at in cursor.fetchall() if at is not None}
 
 
+def newest_scheduled_slots(names: Sequence[str]) -> dict[str, int]:
+    """Each of the jobs ``names``' newest slot on record but for ``run_now()``'s: what catch-up counts from.
+
+    One lookup per job in the unique index (job, slot, ...), read backwards to its first row that is
+    not manual: a ``MAX()`` over the job's rows read every one of them (PostgreSQL read the table
+    whole), at every start-up's catch-up. Jobs with no JobState row or no such run are left out.
+    """
+    if not names:
+        return {}
+    connection = connections[alias()]
+    name, slot = _name(connection, JobState, "name"), _name(connection, Run, "slot")
+    in_names, params = _texts(connection, names)
+    sql = (
+        f"SELECT s.{name}, (SELECT r.{slot} FROM {_name(connection, Run)} r "  # noqa: S608 - names
+        f"WHERE r.{_name(connection, Run, 'job')} = s.{name} AND r.{_name(connection, Run, 'manual')} = %s "
+        f"ORDER BY r.{slot} DESC LIMIT 1) FROM {_name(connection, JobState)} s WHERE s.{name} IN ({in_names})"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [False, *params])
+        return {str(job): int(newest) for job, newest in cursor.fetchall() if newest is not None}
+
+
 def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
     """What the jobs ``names`` are doing (running and pending rows) and which of ``slots`` they decided.
 
