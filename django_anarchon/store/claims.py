@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F
 
 from ..dbtime import DbNow, db_in, db_not_before
 from ..models import JobState, Reason, Run, Status
@@ -280,15 +280,9 @@ def _expand_catch_ups(
     there is one catch-up for the outage and one record for the slot.
     """
     names = [c.job.name for c in catch_ups]
-    last = statements.newest_scheduled_slots(names)
-    decided_by_catch_up = {
-        job: created
-        for job, slot, created in _runs()
-        .filter(job__in=names, slot__in=set(last.values()), attempt=1, manual=False)
-        .filter(Q(reason=Reason.CATCH_UP) | Q(status=Status.MISSED))
-        .values_list("job", "slot", "created_at")
-        if last.get(job) == slot
-    }
+    newest = statements.newest_scheduled(names)
+    last = {job: slot for job, (slot, _) in newest.items()}
+    decided_by_catch_up = {job: created for job, (_, created) in newest.items() if created is not None}
     claims: list[Claim] = []
     missed: list[Run] = []
     for catch_up in catch_ups:

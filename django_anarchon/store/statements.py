@@ -361,26 +361,41 @@ def newest_successes(names: Sequence[str] | None = None) -> dict[str, datetime]:
         return {str(job): _converted(at, converters, connection) for job, at in cursor.fetchall() if at is not None}
 
 
-def newest_scheduled_slots(names: Sequence[str]) -> dict[str, int]:
-    """Each of the jobs ``names``' newest slot on record but for ``run_now()``'s: what catch-up counts from.
+def newest_scheduled(names: Sequence[str]) -> dict[str, tuple[int, datetime | None]]:
+    """What catch-up counts from, for each of the jobs ``names``: its newest slot on record but for
+    ``run_now()``'s, and, if that slot's first attempt was decided by a catch-up (a catch-up run or
+    a ``missed`` record), when that row was created (see :func:`.claims._expand_catch_ups`).
 
     One lookup per job in the unique index (job, slot, ...), read backwards to its first row that is
-    not manual: a ``MAX()`` over the job's rows read every one of them (PostgreSQL read the table
-    whole), at every start-up's catch-up. Jobs with no JobState row or no such run are left out.
+    not manual, and one more for that slot's first attempt: a ``MAX()`` over the job's rows read
+    every one of them (PostgreSQL read the table whole) at every start-up's catch-up, and asking
+    for the rows of every job at every job's newest slot made as many lookups as jobs times slots.
+    Jobs with no JobState row or no such run are left out.
     """
     if not names:
         return {}
     connection = connections[alias()]
-    name, slot = _name(connection, JobState, "name"), _name(connection, Run, "slot")
+    run, name = _name(connection, Run), _name(connection, JobState, "name")
+    job, slot, manual = (_name(connection, Run, f) for f in ("job", "slot", "manual"))
     in_names, params = _texts(connection, names)
-    sql = (
-        f"SELECT s.{name}, (SELECT r.{slot} FROM {_name(connection, Run)} r "  # noqa: S608 - names
-        f"WHERE r.{_name(connection, Run, 'job')} = s.{name} AND r.{_name(connection, Run, 'manual')} = %s "
-        f"ORDER BY r.{slot} DESC LIMIT 1) FROM {_name(connection, JobState)} s WHERE s.{name} IN ({in_names})"
+    newest = (
+        f"SELECT s.{name} AS name, (SELECT r.{slot} FROM {run} r WHERE r.{job} = s.{name} AND r.{manual} = %s "
+        f"ORDER BY r.{slot} DESC LIMIT 1) AS newest FROM {_name(connection, JobState)} s WHERE s.{name} IN ({in_names})"
     )
+    sql = (
+        f"SELECT t.name, t.newest, (SELECT d.{_name(connection, Run, 'created_at')} FROM {run} d "  # noqa: S608
+        f"WHERE d.{job} = t.name AND d.{slot} = t.newest AND d.{_name(connection, Run, 'attempt')} = 1 "
+        f"AND d.{manual} = %s AND (d.{_name(connection, Run, 'reason')} = %s "
+        f"OR d.{_name(connection, Run, 'status')} = %s)) FROM ({newest}) t"
+    )
+    converters = _converters(connection, Run, Run._meta.get_field("created_at"))
     with connection.cursor() as cursor:
-        cursor.execute(sql, [False, *params])
-        return {str(job): int(newest) for job, newest in cursor.fetchall() if newest is not None}
+        cursor.execute(sql, [False, Reason.CATCH_UP, Status.MISSED, False, *params])
+        return {
+            str(job_name): (int(slot_value), None if created is None else _converted(created, converters, connection))
+            for job_name, slot_value, created in cursor.fetchall()
+            if slot_value is not None
+        }
 
 
 def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
