@@ -391,7 +391,7 @@ def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsew
     jobs = [make_job(f"j{n}") for n in range(3)]
     store.ensure_jobs(jobs)
     with CaptureQueriesContext(connection) as sent:
-        outcome = decide([store.Claim(j, SLOT) for j in jobs])
+        outcome = decide([store.Claim(j, SLOT) for j in jobs], now_ms=SLOT - 100)  # claimed ahead, as the loop does
     assert len(outcome.won) == 3
     statements = [
         q["sql"] for q in sent.captured_queries if not q["sql"].startswith(("SAVEPOINT", "RELEASE", "BEGIN", "COMMIT"))
@@ -497,14 +497,9 @@ def test_names_and_data_with_quotes_backslashes_braces_and_commas_are_claimed_in
         assert (run.job, run.slot, run.status) == (stored[run.job].job, SLOT, "running")
 
 
-def test_the_claim_function_plans_its_lookups_once_and_never_reads_a_jobs_history() -> None:
-    """PostgreSQL: after a few calls, every statement of the claim runs a cached generic plan
-    (parameters, not the values of this call), and every plan finds its rows by index, with
-    no pass over a long history of finished runs or over the other jobs' running runs."""
-    from django.db import connection
-
-    if connection.vendor != "postgresql":
-        pytest.skip("PostgreSQL's claim function; SQLite's one statement: the test below")
+def _a_job_with_a_long_history_among_busy_ones() -> Job:
+    """A job with 3,000 finished runs, and 300 other jobs each with a run running: what a claim's
+    lookups must not pass over."""
     job, other = make_job("history-job"), make_job("other-job")
     store.ensure_jobs([job, other])
     old = [
@@ -518,6 +513,18 @@ def test_the_claim_function_plans_its_lookups_once_and_never_reads_a_jobs_histor
         for k in range(300)
     ]  # fmt: skip
     Run.objects.bulk_create(old + busy)
+    return job
+
+
+def test_the_claim_function_plans_its_lookups_once_and_never_reads_a_jobs_history() -> None:
+    """PostgreSQL: after a few calls, every statement of the claim runs a cached generic plan
+    (parameters, not the values of this call), and every plan finds its rows by index, with
+    no pass over a long history of finished runs or over the other jobs' running runs."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's claim function; SQLite's one statement: the test below")
+    job = _a_job_with_a_long_history_among_busy_ones()
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE django_anarchon_run")
     for k in range(8):  # PL/pgSQL plans a statement for its first five calls, then may keep a generic plan
@@ -558,19 +565,7 @@ def test_the_sqlite_claim_is_one_statement_that_finds_its_rows_by_index() -> Non
 
     if connection.vendor != "sqlite":
         pytest.skip("SQLite's one-statement claim; PostgreSQL's function: the test above")
-    job, other = make_job("history-job"), make_job("other-job")
-    store.ensure_jobs([job, other])
-    old = [
-        Run(job=job.name, slot=SLOT - (k + 1) * 1000, attempt=1, status="success", reason="scheduled",
-            scheduled_at=timezone.now(), created_at=timezone.now(), finished_at=timezone.now())
-        for k in range(3000)
-    ]  # fmt: skip
-    busy = [
-        Run(job=f"{other.name}-{k}", slot=SLOT, attempt=1, status="running", reason="scheduled",
-            scheduled_at=timezone.now(), created_at=timezone.now(), owner="x")
-        for k in range(300)
-    ]  # fmt: skip
-    Run.objects.bulk_create(old + busy)
+    job = _a_job_with_a_long_history_among_busy_ones()
     with CaptureQueriesContext(connection) as sent:
         [won] = decide([store.Claim(job, SLOT)]).won
     assert (won.job, won.slot, won.status, won.owner) == (job.name, SLOT, "running", "me")
@@ -615,6 +610,55 @@ def test_the_one_statement_claim_leaves_to_the_general_path_what_it_cannot_decid
     assert [(r.job, r.slot) for r in outcome.won] == [("idle-0", SLOT + 5000)]
     assert sorted(c.job.name for c in outcome.deferred) == ["idle-1", "idle-2"]
     assert not Run.objects.filter(slot=SLOT + 5000).exclude(job="idle-0").exists()
+
+
+@pytest.fixture(params=["one statement", "general"])
+def claim_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test with it twice: as the loop claims (the one-statement claim where the database has
+    one, PostgreSQL and SQLite) and by the general transaction alone."""
+    if request.param == "general":
+        monkeypatch.setattr(store.statements, "can_claim_in_one_statement", lambda claims: False)
+    return str(request.param)
+
+
+def test_a_replace_jobs_older_slot_won_in_the_same_batch_is_replaced_before_it_starts(claim_path: str) -> None:
+    """Two due slots of an overlap="replace" job in one batch (the instance came to them late): the
+    older is recorded interrupted, replaced by the newer, and is not handed out to run. Helper 23:
+    the one-statement claim won it and the general path then marked it interrupted, but the loop
+    started it all the same; the general path alone ran both, the older one's row having no id yet."""
+    job = make_job("replace", overlap="replace")
+    store.ensure_jobs([job])
+    outcome = decide([store.Claim(job, SLOT), store.Claim(job, SLOT + 1000)], now_ms=SLOT + 1500)
+    assert [(r.job, r.slot, r.status) for r in outcome.won] == [("replace", SLOT + 1000, "running")]
+    assert [(r.slot, r.status) for r in outcome.interrupted] == [(SLOT, "interrupted")]
+    rows = dict(Run.objects.filter(job="replace").values_list("slot", "status"))
+    assert rows == {SLOT: "interrupted", SLOT + 1000: "running"}
+    older = Run.objects.get(job="replace", slot=SLOT)
+    assert older.detail == "replaced by a newer slot (overlap='replace')"
+    assert older.finished_at is not None and older.lease_expires_at is None
+
+
+def test_a_slot_due_in_the_jobs_last_pause_is_not_run_by_an_instance_that_comes_to_it_late(claim_path: str) -> None:
+    """SPEC 8: a paused job's slots are not run. An instance frozen over a slot, while the job was
+    paused and resumed, claimed it when it came back, the job no longer paused (helper 23: five times
+    out of five). Slots before the pause and after the resume still run."""
+    from datetime import datetime
+    from datetime import timezone as dt_timezone
+
+    def at(ms: int) -> datetime:
+        return datetime.fromtimestamp(ms / 1000, tz=dt_timezone.utc)
+
+    job, legacy = make_job("paused-then", overlap="allow"), make_job("resumed-only", overlap="allow")
+    store.ensure_jobs([job, legacy])
+    JobState.objects.filter(name=job.name).update(paused_at=at(SLOT - 300), resumed_at=at(SLOT + 300))
+    JobState.objects.filter(name=legacy.name).update(paused_at=None, resumed_at=at(SLOT + 300))
+    late = SLOT + 2500
+    outcome = decide([store.Claim(j, slot) for slot in (SLOT - 1000, SLOT) for j in (job, legacy)], now_ms=late)
+    assert sorted((r.job, r.slot) for r in outcome.won) == [("paused-then", SLOT - 1000)]
+    assert not Run.objects.filter(slot=SLOT).exists(), "the slot in the pause has no row: it was not decided"
+    # After the resume (and ahead of its slot), the job runs as before.
+    outcome = decide([store.Claim(j, SLOT + 1000) for j in (job, legacy)], now_ms=late)
+    assert sorted(r.job for r in outcome.won) == ["paused-then", "resumed-only"]
 
 
 def test_a_batch_mixing_idle_and_busy_jobs_is_decided_by_each_jobs_overlap() -> None:

@@ -37,6 +37,8 @@ from .base import (
 if TYPE_CHECKING:
     from ..registry import Job
 
+REPLACED = "replaced by a newer slot (overlap='replace')"
+
 
 @retry_deadlocks
 def decide(
@@ -88,19 +90,48 @@ def decide(
     if plain and not catch_ups and statements.can_claim_in_one_statement(plain):
         # PostgreSQL and SQLite: the plain case in one statement; what it leaves
         # undecided (busy jobs, jobs with no row yet) takes the Python path.
+        queued = [c for c in claims if c.job.overlap == "queue"]
+        plain = _outside_last_pauses(plain, now_ms)
         try:
-            outcome, rest = statements.claim_scheduled(plain, capacity=capacity, first_look=first_look, **common)
+            outcome, rest = (
+                statements.claim_scheduled(plain, capacity=capacity, first_look=first_look, **common)
+                if plain
+                else (Outcome(), [])
+            )
         except statements.NoClaimFunction:
             return _decide(claims, (), capacity=capacity, now_ms=now_ms, first_look=first_look, **common)
-        if len(plain) < len(claims):
-            rest = [*rest, *(c for c in claims if c.job.overlap == "queue")]
+        rest = [*rest, *queued]
         if rest:
             more = _decide(rest, (), capacity=capacity - len(outcome.won), now_ms=now_ms, first_look=False, **common)
             for name in ("won", "skipped", "interrupted", "deferred", "missed", "busy", "early"):
                 getattr(outcome, name).extend(getattr(more, name))
+            if more.interrupted:
+                # A replace job's older slot that the statement won, replaced by its next slot of the
+                # same batch: recorded interrupted before it started, and never started.
+                replaced = {r.id for r in more.interrupted}
+                outcome.won = [r for r in outcome.won if r.id not in replaced]
             outcome.won.sort(key=lambda r: (r.slot, r.job))
         return outcome
     return _decide(claims, catch_ups, capacity=capacity, now_ms=now_ms, first_look=first_look, **common)
+
+
+def _outside_last_pauses(claims: list[Claim], now_ms: int | None) -> list[Claim]:
+    """``claims`` but those of slots, already due, that fell in their job's last pause.
+
+    The one-statement claims read only whether a job is paused now. An instance that comes to a
+    slot late (it was frozen, or busy) may find the job paused at the slot and resumed since: that
+    slot is not run (as :func:`_decide` tells under the job locks). A slot still ahead cannot fall in
+    a pause that has ended (it ended before now), and a pause that has not, the claim itself sees;
+    and for a slot already due, its job's last pause cannot change any more to take it in (a new
+    pause starts now, after it): so this unlocked look before the claim is enough.
+    """
+    late = sorted({c.job.name for c in claims if now_ms is None or c.slot <= now_ms})
+    if not late:
+        return claims
+    windows = statements.last_pauses(late)
+    if not windows:
+        return claims
+    return [c for c in claims if c.job.name not in windows or not _paused_then(c.slot, *windows[c.job.name])]
 
 
 def _decide(
@@ -164,8 +195,11 @@ def _decide(
 
         for claim in sorted(all_claims, key=lambda c: (c.slot, c.job.name)):
             job = claim.job
-            if states[job.name].paused or (job.name, claim.slot) in taken:
+            state = states[job.name]
+            if state.paused or (job.name, claim.slot) in taken:
                 continue
+            if claim.reason == Reason.SCHEDULED and not claim.shed and _in_last_pause(claim.slot, state):
+                continue  # due in the job's last pause, come to late: not run (see _outside_last_pauses)
             view = views[job.name]
             if claim.shed:
                 row = first_attempt(claim, base(Status.SKIPPED), _resolved_data(job, default_data))
@@ -192,6 +226,14 @@ def _decide(
                 budget -= 1
                 if busy and job.overlap == "replace":
                     replace_ids.extend(r.id for r in view.active if r.id is not None)
+                    for older in view.active:
+                        if older.id is None:
+                            # Won in this very batch (an older slot, or a catch-up): replaced before
+                            # it ever starts, and recorded so rather than run beside the new one.
+                            older.status, older.detail = Status.INTERRUPTED, REPLACED
+                            older.lease_expires_at = None
+                            older.finished_at = now
+                            budget += 1
             waits = status == Status.PENDING
             row = first_attempt(claim, base(status, waits), _resolved_data(job, default_data))
             if detail:
@@ -211,7 +253,7 @@ def _decide(
             taken.add((job.name, claim.slot))
             inserts.append(row)
         if replace_ids:
-            outcome.interrupted = _interrupt(replace_ids, "replaced by a newer slot (overlap='replace')")
+            outcome.interrupted = _interrupt(replace_ids, REPLACED)
         if missed_rows:
             inserts.extend(missed_rows)
         if inserts:
@@ -235,6 +277,8 @@ def _decide(
                     outcome.skipped.append(row)
                 elif row.status == Status.MISSED:
                     outcome.missed.append(row)
+                elif row.status == Status.INTERRUPTED:
+                    outcome.interrupted.append(row)
         if any(r.status == Status.PENDING for r in inserts):
             notify("queued")
     outcome.won.sort(key=lambda r: (r.slot, r.job))
@@ -386,6 +430,16 @@ def _missed_spans(job: Job, since: int) -> list[tuple[int, int]]:
         if covered:
             spans.append((covered[0], last))
     return spans
+
+
+def _in_last_pause(slot: int, state: statements.Locked) -> bool:
+    """Whether ``slot`` fell in the job's last pause, which has ended (see :func:`_paused_then`)."""
+    resumed, paused_from = _ms(state.resumed_at), _ms(state.paused_at)
+    if resumed is None:
+        return False
+    if paused_from is not None and paused_from >= resumed:
+        paused_from = None
+    return _paused_then(slot, paused_from, resumed)
 
 
 def _paused_then(slot: int, paused_from: int | None, resumed: int | None) -> bool:

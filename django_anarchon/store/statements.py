@@ -398,6 +398,33 @@ def newest_scheduled(names: Sequence[str]) -> dict[str, tuple[int, datetime | No
         }
 
 
+def last_pauses(names: Sequence[str]) -> dict[str, tuple[int | None, int]]:
+    """The last pause, ended, of each of the jobs ``names`` that has one: (from, until), in ms.
+
+    From when it was paused (None where no pause time is on record: every slot before the resume
+    counts as paused, as catch-up counts it) until it was resumed. Jobs paused now, or never
+    resumed, are left out. One SELECT by primary key, no lock.
+    """
+    if not names:
+        return {}
+    connection = connections[alias()]
+    in_names, params = _texts(connection, names)
+    name, paused_at, resumed_at = (_name(connection, JobState, f) for f in ("name", "paused_at", "resumed_at"))
+    sql = (
+        f"SELECT {name}, {paused_at}, {resumed_at} FROM {_name(connection, JobState)} "  # noqa: S608 - names
+        f"WHERE {name} IN ({in_names}) AND {_name(connection, JobState, 'paused')} = %s AND {resumed_at} IS NOT NULL"
+    )
+    converters = _converters(connection, JobState, JobState._meta.get_field("resumed_at"))
+    found: dict[str, tuple[int | None, int]] = {}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*params, False])
+        for job, since, until in cursor.fetchall():
+            resumed = int(_converted(until, converters, connection).timestamp() * 1000)
+            paused = None if since is None else int(_converted(since, converters, connection).timestamp() * 1000)
+            found[str(job)] = (None if paused is not None and paused >= resumed else paused, resumed)
+    return found
+
+
 def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
     """What the jobs ``names`` are doing (running and pending rows) and which of ``slots`` they decided.
 
