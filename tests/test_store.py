@@ -892,6 +892,37 @@ def test_under_replace_catch_ups_run_in_order_and_do_not_replace_one_another() -
     assert [r.id for r in again.won] == [manual.id] and [r.slot for r in again.interrupted] == [SLOT + 20_000]
 
 
+def test_under_replace_a_catch_up_the_job_never_leaves_a_turn_is_recorded_replaced(claim_path: str) -> None:
+    """A replace job whose runs outlast its interval is never free: the catch-up of an outage, waiting
+    for it to be, would stay pending for ever. It waits behind the run from before the outage, and is
+    recorded replaced once a newer slot's run is itself replaced."""
+    job = make_job(every="10s", overlap="replace")
+    decide([store.Claim(job, SLOT)], owner="dead")  # killed mid-run with the whole cluster
+    decide([], [store.CatchUp(job, until=SLOT + 50_000)], owner="back")
+    [owed] = Run.objects.filter(reason="catch-up", status="pending")
+    first = decide([store.Claim(job, SLOT + 60_000)], owner="back", now_ms=SLOT + 60_000)
+    assert [r.slot for r in first.won] == [SLOT + 60_000] and [r.slot for r in first.interrupted] == [SLOT]
+    assert Run.objects.get(id=owed.id).status == "pending", "behind the run from before the outage it waits"
+    second = decide([store.Claim(job, SLOT + 70_000)], owner="back", now_ms=SLOT + 70_000)
+    assert [r.slot for r in second.won] == [SLOT + 70_000]
+    assert sorted(r.slot for r in second.interrupted) == [SLOT + 50_000, SLOT + 60_000]
+    owed.refresh_from_db()
+    assert owed.status == "interrupted" and owed.finished_at is not None and owed.started_at is None
+    assert owed.detail.startswith("replaced by a newer slot (overlap='replace')"), owed.detail
+    assert not store.poll().pending_jobs
+
+
+def test_under_replace_a_catch_up_waiting_behind_an_older_catch_up_keeps_its_turn(claim_path: str) -> None:
+    job = make_job(every="10s", catch_up="all", overlap="replace")
+    _ran(job, SLOT)
+    [running] = decide([], [store.CatchUp(job, until=SLOT + 30_000)]).won
+    assert running.slot == SLOT + 10_000
+    current = decide([store.Claim(job, SLOT + 40_000)], now_ms=SLOT + 40_000)
+    assert [r.slot for r in current.interrupted] == [SLOT + 10_000], "the slot replaces the running catch-up"
+    waiting = Run.objects.filter(reason="catch-up", status="pending").order_by("slot")
+    assert [r.slot for r in waiting] == [SLOT + 20_000, SLOT + 30_000], "and leaves the waiting ones their turn"
+
+
 def test_slots_missed_before_a_pause_made_while_the_cluster_was_down_are_recorded() -> None:
     """Paused during the outage and still paused when an instance comes back: the slots before the
     pause were nobody's to skip, and are recorded missed (the window is not looked at again)."""

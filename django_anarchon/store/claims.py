@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from ..registry import Job
 
 REPLACED = "replaced by a newer slot (overlap='replace')"
+# A catch-up waits for its job to be free; under replace, a job whose runs outlast its interval never is.
+NO_TURN = "replaced by a newer slot (overlap='replace'): newer slots ran back to back and left this catch-up no turn"
 
 
 @retry_deadlocks
@@ -180,6 +182,7 @@ def _decide(
         views = _views_of(r for r in rows if r.status in (Status.RUNNING, Status.PENDING))
         inserts: list[Run] = []
         replace_ids: list[int] = []
+        no_turn: list[int] = []
         budget = capacity
         # One expression object per value, so that each is compiled once per batch.
         now, lease, started = DbNow(), db_in(ttl), {}
@@ -226,6 +229,7 @@ def _decide(
                 budget -= 1
                 if busy and job.overlap == "replace":
                     replace_ids.extend(r.id for r in view.active if r.id is not None)
+                    no_turn.extend(_left_no_turn(view))
                     for older in view.active:
                         if older.id is None:
                             # Won in this very batch (an older slot, or a catch-up): replaced before
@@ -254,6 +258,8 @@ def _decide(
             inserts.append(row)
         if replace_ids:
             outcome.interrupted = _interrupt(replace_ids, REPLACED)
+        if no_turn:
+            outcome.interrupted.extend(_interrupt(no_turn, NO_TURN))
         if missed_rows:
             inserts.extend(missed_rows)
         if inserts:
@@ -283,6 +289,26 @@ def _decide(
             notify("queued")
     outcome.won.sort(key=lambda r: (r.slot, r.job))
     return outcome
+
+
+def _left_no_turn(view: _JobView) -> list[int]:
+    """The waiting catch-ups of a replace job that its newest slot, about to replace what runs, leaves no turn.
+
+    A catch-up waits for the job to be free (see :func:`_expand_catch_ups`). When the run being
+    replaced is itself of a slot newer than a waiting catch-up, the job has run without a break
+    since that catch-up began to wait: its runs outlast its interval, it is never free, and the
+    catch-up would wait for ever. It is recorded replaced, as the run of an older slot is under
+    replace. A catch-up waiting behind a run older than itself (a run from before the outage, or
+    the previous catch-up under ``catch_up="all"``) keeps its turn.
+    """
+    newest = max((r.slot for r in view.active if r.id is not None and not r.manual), default=None)
+    if newest is None:
+        return []
+    return [
+        r.id
+        for r in view.queued
+        if r.id is not None and r.reason == Reason.CATCH_UP and not r.manual and r.slot < newest
+    ]
 
 
 def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
