@@ -8,6 +8,7 @@ each with its own database connection, released together by a barrier.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import threading
 import time
@@ -786,6 +787,61 @@ def test_replace_interrupts_the_running_run_and_runs_the_new_slot() -> None:
 def _ran(job: Job, slot: int) -> None:
     run = decide([store.Claim(job, slot)]).won[0]
     store.finish(run.id, owner="me", status="success")
+
+
+def test_a_catch_up_batch_counts_every_jobs_missed_slots_in_one_update_and_warns_after_commit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Up to 500 jobs come back at once after an outage, each with its own count: one UPDATE per
+    job was 500 statements inside the claim's transaction, each warning logged under the locks."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    jobs = [make_job(f"j{i}", every=f"{10 * (1 + i % 3)}s") for i in range(5)] + [make_job("j5", every="10s")]
+    for job in jobs:
+        _ran(job, SLOT)
+    JobState.objects.filter(name="j0").update(missed_count=7)  # earlier outages' count is added to
+    JobState.objects.filter(name="j5").update(  # paused and resumed during the outage: two records
+        paused_at=store.slot_datetime(SLOT + 25_000), resumed_at=store.slot_datetime(SLOT + 35_000)
+    )
+    caplog.set_level("WARNING", logger="django_anarchon")
+    in_transaction: list[bool] = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "slot(s) missed" in record.getMessage():
+                in_transaction.append(connections[store.alias()].in_atomic_block)
+
+    watch = Watch()
+    logging.getLogger("django_anarchon").addHandler(watch)
+    try:
+        with CaptureQueriesContext(connection) as sent:
+            outcome = decide([], [store.CatchUp(job, until=SLOT + 60_000) for job in jobs], owner="back")
+    finally:
+        logging.getLogger("django_anarchon").removeHandler(watch)
+    counts = dict(JobState.objects.values_list("name", "missed_count"))
+    # 60 s of 10 s slots: 6 due, 5 not run; of 20 s: 3, 2; of 30 s: 2, 1. j5 (10 s): 10 and 20 s,
+    # before its pause, and 40 and 50 s, after its resume at 35 s, are missed (60 s runs).
+    assert counts == {"j0": 12, "j1": 2, "j2": 1, "j3": 5, "j4": 2, "j5": 4}
+    assert sorted(r.job for r in outcome.missed) == ["j0", "j1", "j2", "j3", "j4", "j5", "j5"]
+    table = JobState._meta.db_table
+    updates = [q["sql"] for q in sent.captured_queries if q["sql"].lstrip().upper().startswith("UPDATE")]
+    assert len([u for u in updates if table in u and "missed_count" in u]) == 1, updates
+    # Each job's warning is still said, once, and only after the transaction committed.
+    warned = [r for r in caplog.records if "slot(s) missed" in r.getMessage()]
+    assert sorted(r.job for r in warned) == ["j0", "j1", "j2", "j3", "j4", "j5", "j5"]  # type: ignore[attr-defined]
+    assert sorted(r.missed for r in warned) == [1, 2, 2, 2, 2, 5, 5]  # type: ignore[attr-defined]
+    assert in_transaction == [False] * 7, "warned under the job locks"
+
+
+def test_missed_counts_of_more_jobs_than_one_statement_names_are_all_added() -> None:
+    from django_anarchon.store import statements
+
+    names = [f"job-{i:03d}" for i in range(450)]
+    JobState.objects.bulk_create([JobState(name=n, missed_count=1) for n in names + ["other"]])
+    statements.add_missed({n: 1 + i % 7 for i, n in enumerate(names)})
+    counts = dict(JobState.objects.values_list("name", "missed_count"))
+    assert counts == {**{n: 2 + i % 7 for i, n in enumerate(names)}, "other": 1}
 
 
 def test_catch_up_latest_runs_the_newest_missed_slot_and_records_the_rest() -> None:
