@@ -134,7 +134,9 @@ def _outside_last_pauses(claims: list[Claim], now_ms: int | None) -> list[Claim]
     windows = statements.last_pauses(late)
     if not windows:
         return claims
-    return [c for c in claims if c.job.name not in windows or not _paused_then(c.slot, *windows[c.job.name])]
+    return [
+        c for c in claims if c.job.name not in windows or not _paused_then(c.slot, *_last_pause(*windows[c.job.name]))
+    ]
 
 
 def _decide(
@@ -379,11 +381,7 @@ def _expand_catch_ups(
                 _missed_before_pause(job, floor, _ms(state.paused_at), catch_up.until, why, owner, instance_id)
             )
             continue
-        # The job's last pause: from when it was paused until it was resumed (with no pause
-        # time on record, every slot before the resume counts as paused).
-        resumed, paused_from = _ms(state.resumed_at), _ms(state.paused_at)
-        if resumed is None or (paused_from is not None and paused_from >= resumed):
-            paused_from = None
+        paused_from, resumed = _last_pause(_ms(state.paused_at), _ms(state.resumed_at))
         if catch_up.since is not None and catch_up.until < floor:
             # This instance came to these slots late, and the job's next slot is decided
             # already: whichever of them nobody decided was overtaken, and is recorded so.
@@ -466,12 +464,18 @@ def _missed_spans(job: Job, since: int) -> list[tuple[int, int]]:
 
 def _in_last_pause(slot: int, state: statements.Locked) -> bool:
     """Whether ``slot`` fell in the job's last pause, which has ended (see :func:`_paused_then`)."""
-    resumed, paused_from = _ms(state.resumed_at), _ms(state.paused_at)
-    if resumed is None:
-        return False
-    if paused_from is not None and paused_from >= resumed:
-        paused_from = None
-    return _paused_then(slot, paused_from, resumed)
+    return _paused_then(slot, *_last_pause(_ms(state.paused_at), _ms(state.resumed_at)))
+
+
+def _last_pause(paused_at: int | None, resumed_at: int | None) -> tuple[int | None, int | None]:
+    """The job's last pause, from when it was paused until it was resumed (ms), for :func:`_paused_then`.
+
+    With no pause time on record, or none before the resume, every slot before the resume counts
+    as paused. With no resume on record, nothing does.
+    """
+    if resumed_at is None or (paused_at is not None and paused_at >= resumed_at):
+        return None, resumed_at
+    return paused_at, resumed_at
 
 
 def _paused_then(slot: int, paused_from: int | None, resumed: int | None) -> bool:

@@ -399,11 +399,11 @@ def newest_scheduled(names: Sequence[str]) -> dict[str, tuple[int, datetime | No
 
 
 def last_pauses(names: Sequence[str]) -> dict[str, tuple[int | None, int]]:
-    """The last pause, ended, of each of the jobs ``names`` that has one: (from, until), in ms.
+    """When each of the jobs ``names`` was last paused and resumed, in ms: (paused_at, resumed_at).
 
-    From when it was paused (None where no pause time is on record: every slot before the resume
-    counts as paused, as catch-up counts it) until it was resumed. Jobs paused now, or never
-    resumed, are left out. One SELECT by primary key, no lock.
+    ``paused_at`` is None where no pause time is on record. Jobs paused now, or never resumed,
+    are left out. One SELECT by primary key, no lock. (What the two make a pause of:
+    ``claims._last_pause``.)
     """
     if not names:
         return {}
@@ -421,7 +421,7 @@ def last_pauses(names: Sequence[str]) -> dict[str, tuple[int | None, int]]:
         for job, since, until in cursor.fetchall():
             resumed = int(_converted(until, converters, connection).timestamp() * 1000)
             paused = None if since is None else int(_converted(since, converters, connection).timestamp() * 1000)
-            found[str(job)] = (None if paused is not None and paused >= resumed else paused, resumed)
+            found[str(job)] = (paused, resumed)
     return found
 
 
@@ -1005,48 +1005,27 @@ def _claim_scheduled_sqlite(
     if not sent:
         return outcome, undecided
 
-    def text(value: str) -> str:
-        # A literal in the statement's text, which Django's cursor rewrites ("%s" is a placeholder).
-        return "'" + value.replace("'", "''").replace("%", "%%") + "'"
-
-    data_field = Run._meta.get_field("data")
     data = {c.job.name: _resolved_data(c.job, default_data) for c in sent}
+    # The column's own encoding (JSONField with no encoder): json.dumps, once for the statement and
+    # the copies handed back alike.
     texts = {name: None if value is None else json.dumps(value) for name, value in data.items()}
-    data_sql = {
-        name: "NULL" if value is None else text(str(data_field.get_db_prep_save(value, connection)))
-        for name, value in data.items()
-    }
-    moments = {c.slot: text(str(_MOMENT.get_db_prep_save(slot_datetime(c.slot), connection))) for c in sent}
+    data_sql = {name: "NULL" if value is None else _sqlite_text(value) for name, value in texts.items()}
+    moments = {c.slot: _sqlite_text(str(_MOMENT.get_db_prep_save(slot_datetime(c.slot), connection))) for c in sent}
     rows = ", ".join(
         f"(%s, {int(c.slot)}, {moments[c.slot]}, {data_sql[c.job.name]}, {1 if c.job.overlap == 'allow' else 0})"
         for c in sent
     )
-    q = connection.ops.quote_name
-    now = now_sql(connection)
-    lease_sql, lease_params = _clock_sql(connection, db_in(ttl))
-    columns = (
-        "job, slot, attempt, status, reason, manual, scheduled_at, instance_id, owner, lease_expires_at, "
-        "created_at, started_at, finished_at, data, progress, error_type, error_message, traceback, detail"
-    )
-    run, state = _name(connection, Run), _name(connection, JobState)
-    # The active runs' condition as the partial index anarchon_run_active has it (models.ACTIVE),
-    # written out: SQLite uses a partial index only for a query that names its very condition.
-    active = f"({q('status')} = 'running' OR ({q('attempt')} > 1 AND {q('status')} = 'pending'))"
-    sql = (
-        f"WITH c(job, slot, scheduled_at, data, allow) AS (VALUES {rows}) "  # noqa: S608 - names, ints, literals
-        f"INSERT INTO {run} ({', '.join(q(c.strip()) for c in columns.split(','))}) "
-        f"SELECT c.job, c.slot, 1, %s, %s, 0, c.scheduled_at, %s, %s, {lease_sql}, {now}, "
-        f"MAX({now}, c.scheduled_at), NULL, c.data, NULL, '', '', '', '' "
-        f"FROM c JOIN {state} s ON s.{q('name')} = c.job "
-        f"WHERE NOT s.{q('paused')} "
-        f"AND NOT EXISTS (SELECT 1 FROM {run} r WHERE r.{q('job')} = c.job AND r.{q('slot')} = c.slot "
-        f"AND r.{q('attempt')} = 1 AND r.{q('manual')} = 0) "
-        f"AND (c.allow OR NOT EXISTS (SELECT 1 FROM {run} r WHERE r.{q('job')} = c.job AND {active})) "
-        f"ORDER BY c.slot, c.job LIMIT {int(max(capacity, 0))} "
-        f"ON CONFLICT DO NOTHING RETURNING {q('id')}, {q('job')}, {q('slot')}, "
-        + ", ".join(f"CAST({q(name)} AS CHAR)" for name in _CLAIM_INSTANTS)
-    )
-    params = [*(c.job.name for c in sent), Status.RUNNING, Reason.SCHEDULED, instance_id, owner, *lease_params]
+    insert, lease_params = _built(("sqlite claim", db, ttl), lambda: _sqlite_claim_sql(connection, ttl))
+    sql = f"WITH c(job, slot, scheduled_at, data, allow) AS (VALUES {rows}) {insert}"
+    params = [
+        *(c.job.name for c in sent),
+        Status.RUNNING,
+        Reason.SCHEDULED,
+        instance_id,
+        owner,
+        *lease_params,
+        int(max(capacity, 0)),
+    ]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         found = cursor.fetchall()
@@ -1079,6 +1058,44 @@ def _claim_scheduled_sqlite(
         paused = paused_among(sorted({c.job.name for c in lost}))
         undecided.extend(c for c in lost if c.job.name not in paused)
     return outcome, sorted(undecided, key=lambda c: (c.slot, c.job.name))
+
+
+def _sqlite_text(value: str) -> str:
+    """``value`` as a literal in a statement's text, which Django's cursor rewrites (``%s`` is a placeholder)."""
+    return "'" + value.replace("'", "''").replace("%", "%%") + "'"
+
+
+def _sqlite_claim_sql(connection: Any, ttl: float) -> tuple[str, list[Any]]:
+    """What follows the claims' VALUES in :func:`_claim_scheduled_sqlite`, built once: SQL and the lease's parameters.
+
+    Its parameters, after the job names of the VALUES: status, reason, instance, owner, the
+    lease's, and the LIMIT (``MAX_WORKERS`` free).
+    """
+    q = connection.ops.quote_name
+    now = now_sql(connection)
+    lease_sql, lease_params = _clock_sql(connection, db_in(ttl))
+    columns = (
+        "job, slot, attempt, status, reason, manual, scheduled_at, instance_id, owner, lease_expires_at, "
+        "created_at, started_at, finished_at, data, progress, error_type, error_message, traceback, detail"
+    )
+    run, state = _name(connection, Run), _name(connection, JobState)
+    # The active runs' condition as the partial index anarchon_run_active has it (models.ACTIVE),
+    # written out: SQLite uses a partial index only for a query that names its very condition.
+    active = f"({q('status')} = 'running' OR ({q('attempt')} > 1 AND {q('status')} = 'pending'))"
+    sql = (
+        f"INSERT INTO {run} ({', '.join(q(c.strip()) for c in columns.split(','))}) "  # noqa: S608 - names
+        f"SELECT c.job, c.slot, 1, %s, %s, 0, c.scheduled_at, %s, %s, {lease_sql}, {now}, "
+        f"MAX({now}, c.scheduled_at), NULL, c.data, NULL, '', '', '', '' "
+        f"FROM c JOIN {state} s ON s.{q('name')} = c.job "
+        f"WHERE NOT s.{q('paused')} "
+        f"AND NOT EXISTS (SELECT 1 FROM {run} r WHERE r.{q('job')} = c.job AND r.{q('slot')} = c.slot "
+        f"AND r.{q('attempt')} = 1 AND r.{q('manual')} = 0) "
+        f"AND (c.allow OR NOT EXISTS (SELECT 1 FROM {run} r WHERE r.{q('job')} = c.job AND {active})) "
+        f"ORDER BY c.slot, c.job LIMIT %s "
+        f"ON CONFLICT DO NOTHING RETURNING {q('id')}, {q('job')}, {q('slot')}, "
+        + ", ".join(f"CAST({q(name)} AS CHAR)" for name in _CLAIM_INSTANTS)
+    )
+    return sql, list(lease_params)
 
 
 def lock_jobs(names: Sequence[str], *, skip_locked: bool = False) -> dict[str, Locked]:
