@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -81,7 +84,40 @@ def test_run_of_a_failing_job_exits_non_zero_with_the_error(cluster: Cluster) ->
     assert "Traceback (most recent call last)" in result.stderr and 'jobs.py", line' in result.stderr, (
         "the handler's own traceback is printed"
     )
+    assert result.stderr.count("Traceback (most recent call last)") == 1, "once: the log line carries it"
     assert Run.objects.get(job="bad").status == "failed"
+
+
+def test_run_of_a_failing_job_prints_the_traceback_when_the_log_does_not(tmp_path: Path) -> None:
+    """A project whose logging keeps django_anarchon's records off the terminal still sees the error."""
+    import io
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    from django_anarchon import Scheduler
+
+    def broken(ctx: Any) -> None:
+        raise ValueError("boom in quiet")
+
+    own = Scheduler()
+    own.every("quiet", "1h", broken)
+    logger = logging.getLogger("django_anarchon")
+    kept = logger.handlers[:], logger.propagate
+    logger.handlers[:] = [logging.FileHandler(tmp_path / "log.txt")]
+    logger.propagate = False
+    err = io.StringIO()
+    try:
+        with (
+            mock.patch("django_anarchon.management.commands.anarchon.scheduler", own),
+            pytest.raises(CommandError, match="boom in quiet"),
+        ):
+            call_command("anarchon", "--run", "quiet", stderr=err, stdout=io.StringIO())
+    finally:
+        logger.handlers[0].close()
+        logger.handlers[:], logger.propagate = kept
+    assert err.getvalue().count("Traceback (most recent call last)") == 1, err.getvalue()
+    assert "boom in quiet" in (tmp_path / "log.txt").read_text()
 
 
 def test_the_command_refuses_to_start_on_a_database_that_lacks_the_migrations(cluster: Cluster, tmp_path: Path) -> None:

@@ -23,6 +23,32 @@ from django_anarchon import scheduler
 from django_anarchon.exceptions import AnarchonError
 
 
+def _errors_reach_stderr() -> bool:
+    """Whether an ERROR record of the ``django_anarchon`` logger (with its traceback) is written to stderr.
+
+    Looks for a handler on the way up the logger tree that writes to stderr and lets
+    ERROR through (or, with no handler at all, Python's last-resort one, which does).
+    """
+    logger: logging.Logger | None = logging.getLogger("django_anarchon")
+    if not logger or not logger.isEnabledFor(logging.ERROR):
+        return False
+    found_any = False
+    while logger is not None:
+        for handler in logger.handlers:
+            found_any = True
+            stream = getattr(handler, "stream", None)
+            if (
+                isinstance(handler, logging.StreamHandler)
+                and stream in (sys.stderr, sys.__stderr__)
+                and handler.level <= logging.ERROR
+                and not handler.filters
+            ):
+                return True
+        logger = logger.parent if logger.propagate else None
+    last = logging.lastResort
+    return not found_any and last is not None and last.level <= logging.ERROR
+
+
 def _instance_id(value: str) -> str:
     if not value.strip() or len(value) > 200:
         raise ArgumentTypeError("must be a non-empty string of at most 200 characters")
@@ -191,7 +217,8 @@ class Command(BaseCommand):
             raise CommandError(f"stopped before job {name!r} could run (another run of it had not ended)")
         self.stdout.write(f"{run.job} slot={run.slot} attempt={run.attempt}: {run.status}")
         if run.status != "success":
-            if run.traceback:
+            if run.traceback and not _errors_reach_stderr():
+                # The run's "Run failed" log line carries it where it reaches the terminal.
                 self.stderr.write(run.traceback.rstrip("\n"))
             raise CommandError(f"the run ended {run.status}: {run.error_type}: {run.error_message}".rstrip(": "))
 
