@@ -158,6 +158,7 @@ class Engine:
         self._loop_lock = threading.Lock()
         self._warned: set[str] = set()
         self._skew_warned_ms: float | None = None  # the clock offset last warned about, while it lasts
+        self._clock_unsure = False  # this host's clock was stepped and the database's not measured since
         self._next_prune = 0.0  # the first housekeeping turn closes runs no instance declares, then hourly
         self.claim_ms = 20.0  # how long claiming transactions take here: recent highs, decaying
         self._peers_read_at = -PEERS_REFRESH_S
@@ -582,26 +583,34 @@ class Engine:
         handlers) seconds early until the next regular measurement.
         """
         step = self.clock.stepped()
-        if not step:
-            return
-        logger.warning(
-            "This host's clock was stepped by %+.3fs; measuring the database clock again",
-            step,
-            extra={"instance": self.instance_id},
-        )
-        self.estimate.forget()
-        self._measure_clock(samples=3)
+        if step:
+            logger.warning(
+                "This host's clock was stepped by %+.3fs; measuring the database clock again",
+                step,
+                extra={"instance": self.instance_id},
+            )
+            self.estimate.forget()
+            if connections[store.alias()].vendor != "sqlite":
+                # The database's clock (another host's) did not step with this one: until it is
+                # measured again, the corrected time carries on as it was. Left as it was, a
+                # step made while the database is away would count from the step when it
+                # returns, and slots not yet due would look due (or missed) until measured.
+                self.clock.offset_ms -= step * 1000
+            self._clock_unsure = True
+        if self._clock_unsure:
+            # Again at every turn until a measurement succeeds (before the turn claims anything).
+            self._clock_unsure = not self._measure_clock(samples=3)
 
-    def _measure_clock(self, samples: int = 1) -> None:
-        """Align slot timing to the database clock, so that a skewed host still fires on time."""
+    def _measure_clock(self, samples: int = 1) -> bool:
+        """Align slot timing to the database clock, so that a skewed host still fires on time; whether it did."""
         if connections[store.alias()].vendor == "sqlite":
-            return  # the same host's clock
+            return True  # the same host's clock
         for _ in range(samples):
             before = time.time()
             value = self.trouble.call(store.database_time)
             after = time.time()
             if value is FAILED:
-                return
+                return False
             self.clock.offset_ms = self.estimate.add(before, after, value.timestamp())
         offset, warned = self.clock.offset_ms, self._skew_warned_ms
         if abs(offset) > SKEW_WARN_MS:
@@ -620,6 +629,7 @@ class Engine:
                 SKEW_WARN_MS,
                 extra={"instance": self.instance_id},
             )
+        return True
 
     def _poll(self) -> None:
         """Claim pending runs and take over expired leases; note when the next lease expires.

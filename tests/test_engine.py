@@ -676,6 +676,46 @@ def test_the_clock_offset_warning_is_said_again_when_the_offset_moves_and_its_en
     assert measure(0.0) == []
 
 
+def test_a_clock_step_made_while_the_database_is_away_does_not_move_the_corrected_time(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Helper 24: stepped +180 s during an outage, an instance kept its old correction, and when the
+    database came back it caught up three minutes of slots not yet due (and ran them early)."""
+    from datetime import datetime
+    from datetime import timezone as tz
+
+    from django.db import OperationalError
+
+    from tests.conftest import vendor
+
+    if vendor() == "sqlite":
+        pytest.skip("not applicable to SQLite: its clock is the calling process's, stepped with it")
+    sched.every("spare", ON_DEMAND, lambda ctx: None)
+    start(sched)
+    engine = running_engine(sched)
+    sched.stop(2)  # only this test's measurements now
+    database = {"up": False}
+    host_ahead_s = 180.0  # what the wall clock reads beyond the database's once stepped
+
+    def database_time() -> datetime:
+        if not database["up"]:
+            raise OperationalError("the database is away")
+        return datetime.fromtimestamp(time.time() - host_ahead_s, tz=tz.utc)
+
+    monkeypatch.setattr(store, "database_time", database_time)
+    steps = iter([host_ahead_s])
+    monkeypatch.setattr(engine.clock, "stepped", lambda: next(steps, 0.0))
+    before = engine.clock.offset_ms
+    engine._follow_clock_steps()
+    assert engine.clock.offset_ms == pytest.approx(before - host_ahead_s * 1000), "carried on as it was"
+    engine._follow_clock_steps()
+    assert engine._clock_unsure, "no measurement yet: asked again at the next turn"
+    database["up"] = True
+    engine._follow_clock_steps()
+    assert not engine._clock_unsure
+    assert engine.clock.offset_ms == pytest.approx(-host_ahead_s * 1000, abs=200), "measured once it is back"
+
+
 # -- bad input never stops the scheduler --------------------------------------------------
 
 
