@@ -91,6 +91,9 @@ STARTUP_RETRY_S = 5.0
 # the loop reads the jobs' pause once more and withdraws the runs of the jobs paused since.
 PAUSE_CHECK_LEAD_MS = 20
 PAUSED_DETAIL = "the job was paused before its slot"
+# How long the loop waits for the ends of its own runs that have just returned to be written
+# before it decides their jobs' slots (see Engine._await_own_endings).
+OWN_ENDINGS_WAIT_S = 0.1
 
 
 class Engine:
@@ -403,6 +406,7 @@ class Engine:
         if not batch:
             self.queue.settle(batch, store.Outcome(), now, now)
             return
+        self._await_own_endings(c.job for c in batch.claims if not c.shed)
         outcome = self._decide(batch, skip_locked=True, now_ms=now)
         if outcome is FAILED:
             self.queue.failed(batch, now + max(int(self.trouble.backoff * 1000), 50))
@@ -413,6 +417,27 @@ class Engine:
         retry = now + int(max(BUSY_RETRY_MS, 1.5 * self.claim_ms) * random.uniform(1.0, 1.3))  # noqa: S311
         if self.queue.settle(batch, outcome, now, retry):
             self._room_wanted = True
+
+    def _await_own_endings(self, jobs: Iterable[Job]) -> None:
+        """Have the ends of this instance's runs of ``jobs`` that have just returned written first.
+
+        The recorder collects endings for ``COLLECT_S`` before it writes them, and until then the
+        database has the run running: a slot of its job decided meanwhile (the next slot of a
+        handler that returned a moment before it, a manual run under replace) would be skipped,
+        or would replace a run that has ended. The wait is bounded (``OWN_ENDINGS_WAIT_S``): a
+        database too slow to write them in that time decides on what it holds.
+        """
+        names = {job.name for job in jobs if job.overlap != "allow"}
+        if not names:
+            return
+        ending = self.table.ending(names)
+        if not ending:
+            return
+        self.recorder.hurry()
+        until = time.monotonic() + OWN_ENDINGS_WAIT_S
+        for active in ending:
+            if not active.ended.wait(max(0.0, until - time.monotonic())):
+                return
 
     def _read_peers(self) -> None:
         """Read the live instances, including this one (heartbeats in the last three intervals).
@@ -664,6 +689,7 @@ class Engine:
                 self._warn_undeclared(name)
         self._waiting_jobs = waiting
         if waiting and self.capacity() > 0:
+            self._await_own_endings(self.jobs[name] for name in waiting)
             sent = time.monotonic()
             outcome = self.trouble.call(
                 store.claim_pending,

@@ -92,6 +92,7 @@ class Recorder:
         self._queue: queue.SimpleQueue[Ending | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._hurry = threading.Event()  # set: write what is queued without collecting more first
 
     def submit(self, ending: Ending) -> None:
         """Queue ``ending`` to be written; its ``then`` is called once it is (or was given up)."""
@@ -101,6 +102,10 @@ class Recorder:
                     self._thread = threading.Thread(target=self._run, name="anarchon-recorder", daemon=True)
                     self._thread.start()
         self._queue.put(ending)
+
+    def hurry(self) -> None:
+        """Write the endings queued now at once, rather than after collecting others for ``COLLECT_S``."""
+        self._hurry.set()
 
     def record(self, ending: Ending) -> Any:
         """Queue ``ending`` and wait until it is written (or given up); return its result."""
@@ -123,11 +128,12 @@ class Recorder:
                 if first is None:
                     break
                 batch = [first]
-                if self._queue.qsize() < BATCH - 1:
+                if self._queue.qsize() < BATCH - 1 and not self._hurry.is_set():
                     # Sleep through the window rather than wake for every ending queued in it:
                     # each wake-up took the GIL from the workers starting that instant's runs.
-                    # (clock.sleep: time.sleep fails under libfaketime, and this thread must live.)
-                    sleep(COLLECT_S)
+                    # (An event's wait: time.sleep fails under libfaketime, and this thread must live.)
+                    self._hurry.wait(COLLECT_S)
+                self._hurry.clear()
                 while len(batch) < BATCH:
                     try:
                         item = self._queue.get_nowait()

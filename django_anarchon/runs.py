@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 from typing import Any
 
@@ -275,6 +275,19 @@ class RunTable:
             headroom = min(HEADROOM_FACTOR * limit, int(free_soon * QUICK_WINDOW_S / max(self._typical_s, 1e-4)))
         return limit + headroom - busy
 
+    def ending(self, jobs: Collection[str]) -> list[ActiveRun]:
+        """This instance's runs of ``jobs`` whose handler is over and whose end is not recorded yet.
+
+        The database has them running until the recorder writes their end: a slot of the job
+        decided meanwhile would find the job busy.
+        """
+        with self._lock:
+            return [
+                active
+                for active in self._active.values()
+                if active.returned and active.state is not Phase.DONE and active.run.job in jobs
+            ]
+
     def returned(self, active: ActiveRun) -> None:
         """The run's handler is over: its worker no longer counts against ``MAX_WORKERS``.
 
@@ -455,10 +468,16 @@ class RunTable:
     # -- endings decided elsewhere (the loop's claims and takeovers) -----------------------
 
     def interrupted_elsewhere(self, rows: list[Run]) -> None:
-        """Runs a claim just recorded interrupted (``overlap="replace"``): abort ours, signal."""
+        """Runs a claim just recorded interrupted (``overlap="replace"``): abort ours, signal.
+
+        A run of ours is signalled with the ``Interrupted`` its handler was given.
+        """
         for row in rows:
-            self._announce(signals.run_interrupted, run=row, exception=None)
-            self.lose_id(row.id, describe_loss(row))
+            active = self.get(row.id)
+            if active is not None:
+                self.lose(active, describe_loss(row))
+            reason = active.signal.reason if active is not None and active.cause == "lost" else None
+            self._announce(signals.run_interrupted, run=row, exception=reason)
 
     def skipped(self, rows: list[Run]) -> None:
         """Slots a claim just recorded skipped (the job was busy, or no free worker)."""
@@ -555,7 +574,7 @@ class RunTable:
             if not ours:
                 self._log_end(
                     active,
-                    "ended but was no longer ours to record (lease expired or taken over)"
+                    "ended but was no longer ours to record (lease expired, taken over, or replaced)"
                     + ("; its task was not enqueued" if active.job.is_task_job and status == Status.SUCCESS else ""),
                     level=logging.WARNING,
                 )

@@ -415,7 +415,7 @@ def test_run_now_is_picked_up_and_runs_as_manual(sched: Scheduler) -> None:
     wait_for(lambda: Run.objects.get(pk=run.pk).status == "success", 5, what="the run's record")
 
 
-def test_a_replaced_run_is_aborted_with_interrupted(sched: Scheduler) -> None:
+def test_a_replaced_run_is_aborted_with_interrupted(sched: Scheduler, received: Any) -> None:
     reasons: list[str] = []
 
     def long(ctx: Context) -> None:
@@ -431,6 +431,12 @@ def test_a_replaced_run_is_aborted_with_interrupted(sched: Scheduler) -> None:
     assert "replaced" in reasons[0]
     first = Run.objects.filter(job="rep").order_by("slot").first()
     assert first.status == "interrupted" and not Run.objects.filter(job="rep", attempt=2).exists()
+    # Replaced here: run_interrupted carries the Interrupted its handler got (None is for another
+    # instance's record).
+    sent = wait_for(
+        lambda: [c for c in received["run_interrupted"].calls if c["run"].id == first.id], 5, what="run_interrupted"
+    )
+    assert isinstance(sent[0]["exception"], Interrupted) and "replaced" in str(sent[0]["exception"]), sent
 
 
 def test_renewals_keep_a_run_alive_longer_than_its_lease(sched: Scheduler) -> None:
@@ -989,6 +995,32 @@ def test_claiming_ahead_does_not_skip_the_slot_after_a_run_that_ends_just_in_tim
         if run.status == "skipped":
             assert before.status == "success" and before.finished_at > run.scheduled_at, (before, run, run.detail)
     assert sum(r.status == "success" for r in runs[2:]) >= 4, [r.status for r in runs]
+
+
+def test_the_slot_after_a_handler_that_returned_just_before_it_is_not_skipped(sched: Scheduler) -> None:
+    """Helper 25: a handler returning 10-20 ms before its job's next slot had that slot skipped ("the
+    previous run ... was still running"): its end waited in the recorder's collection window (20 ms),
+    and the database still had it running when the slot was decided."""
+    returned: dict[int, float] = {}  # slot (ms) -> when its handler returned (time.time())
+
+    def until_just_before_the_next_slot(ctx: Context) -> None:
+        target = ctx.scheduled_at.timestamp() + 0.5 - 0.012
+        while (left := target - time.time()) > 0.003:
+            time.sleep(left - 0.003)
+        while time.time() < target:
+            pass  # the last few ms spun: a sleep may overshoot them
+        returned[int(ctx.scheduled_at.timestamp() * 1000)] = time.time()
+
+    sched.every("edge", "500ms", until_just_before_the_next_slot)
+    start(sched)
+    runs = finished("edge", 14, timeout=15)
+    close = []  # (slot, status) of slots whose previous handler returned 5-25 ms before them
+    for before, run in zip(runs, runs[1:], strict=False):
+        back = returned.get(before.slot)
+        if back is not None and run.slot - before.slot == 500 and 0.005 <= run.slot / 1000 - back <= 0.025:
+            close.append((run.slot, run.status, run.detail))
+    assert len(close) >= 4, f"too few slots came just after a return to tell: {close}"
+    assert [c for c in close if c[1] == "skipped"] == [], close
 
 
 def test_the_share_of_a_live_instance_that_never_claims_is_claimed_just_before_the_slot(
