@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -121,6 +122,11 @@ def check_json(value: Any, where: str) -> Any:
     return value
 
 
+# Floats from this size on are written by json.dumps with an exponent, and come back from
+# PostgreSQL's jsonb as ints.
+_FLOAT_AS_INT = 1e16
+
+
 def _json_problem(value: Any, path: str, depth: int) -> str | None:
     """What in ``value`` would not come back from JSON as it went in (None: nothing)."""
     if depth > 200:
@@ -141,6 +147,13 @@ def _json_problem(value: Any, path: str, depth: int) -> str | None:
         return None
     if isinstance(value, tuple):
         return f"the tuple{at} would come back as a list; pass a list"
+    if isinstance(value, float) and math.isfinite(value) and abs(value) >= _FLOAT_AS_INT:
+        # json.dumps writes it with an exponent ("1e+16"); jsonb keeps the number, and gives it
+        # back written out, which json.loads reads as an int.
+        return (
+            f"the float {value!r}{at} would come back from PostgreSQL as an integer (its jsonb keeps the "
+            "number, not that it was a float); pass an int, or a string"
+        )
     if path and not isinstance(value, (dict, list, int, float, type(None))):
         # Named where it is (json.dumps would only name its type); the top level is left to json.dumps.
         kind = type(value).__name__

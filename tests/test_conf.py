@@ -136,6 +136,11 @@ def test_data_must_be_json(data: object) -> None:
     settings_error({"DATA": data}, "ANARCHON['DATA']", "JSON-serialisable")
 
 
+@pytest.mark.parametrize("data", [1e16, {"x": [-2.5e300]}])
+def test_data_with_a_float_that_postgresql_gives_back_as_an_int_is_refused(data: object) -> None:
+    settings_error({"DATA": data}, "ANARCHON['DATA']", "would come back from PostgreSQL as an integer")
+
+
 @pytest.mark.parametrize("retention", [0, -1, "never", False])
 def test_bad_history_retention(retention: object) -> None:
     settings_error({"HISTORY_RETENTION": retention}, "ANARCHON['HISTORY_RETENTION']", repr(retention))

@@ -844,6 +844,18 @@ def test_missed_counts_of_more_jobs_than_one_statement_names_are_all_added() -> 
     assert counts == {**{n: 2 + i % 7 for i, n in enumerate(names)}, "other": 1}
 
 
+def test_the_data_check_lets_through_only_floats_every_database_gives_back_as_floats() -> None:
+    """PostgreSQL's jsonb gives 1e16 back as the int 10000000000000000; the check refuses floats
+    from there on, and what it lets through comes back as it went in on every database."""
+    from django_anarchon.conf import check_json
+
+    data = {"floats": [1.0, -0.5, 1e-7, 123456789012345.6, 9.99e15, -9.99e15, 2.0**53 + 2], "int": 10**20}
+    check_json(data, "the data")
+    run = store.create_manual("job", data)
+    back = Run.objects.get(id=run.id).data
+    assert back == data and [type(x) for x in back["floats"]] == [float] * 7 and type(back["int"]) is int
+
+
 def test_catch_up_latest_runs_the_newest_missed_slot_and_records_the_rest() -> None:
     job = make_job(every="10s")
     _ran(job, SLOT)
