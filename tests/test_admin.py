@@ -129,6 +129,7 @@ def test_run_history_pages_filters_search_and_date_hierarchy_render(admin_client
         "job=alpha": [manual, ok],
         "reason=manual": [manual],
         "q=boom": [failed],
+        "q=ValueError": [failed],  # the error column shows the type too
         "q=node-2": [failed],
         "q=beta": [failed],
         "scheduled_at__year=2024": [manual, failed, ok],

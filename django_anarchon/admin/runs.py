@@ -39,7 +39,7 @@ class RunAdmin(ReadOnlyAdmin):
         "short_error",
     ]
     list_filter = ["status", "job", "reason"]
-    search_fields = ["job", "instance_id", "error_message"]
+    search_fields = ["job", "instance_id", "error_type", "error_message"]
     date_hierarchy = "scheduled_at"
     ordering = ["-scheduled_at", "-id"]  # newest first; later attempts (higher ids) before earlier ones
     list_per_page = 50
