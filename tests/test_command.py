@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.process, pytest.mark.django_db(transaction=True)]
 
 def test_list_shows_jobs_schedules_next_due_times_and_pauses(cluster: Cluster) -> None:
     cluster.jobs = [
-        {"name": "tick", "every": "1h30m", "kind": "record", "timeout": "5m"},
+        {"name": "tick", "every": "1h30m", "kind": "record", "timeout": "5m", "alert_after": "3h"},
         {"name": "paris", "cron": "30 2 * * *", "timezone": "Europe/Paris", "kind": "record"},
     ]
     JobState.objects.create(name="paris", paused=True)
@@ -32,6 +32,7 @@ def test_list_shows_jobs_schedules_next_due_times_and_pauses(cluster: Cluster) -
     assert result.returncode == 0, result.stderr
     tick, paris = result.stdout.splitlines()
     assert tick.startswith("tick") and "every 1h30m" in tick and "timeout=300s" in tick
+    assert "alert_after=10800s" in tick
     assert "cron 30 2 * * * (Europe/Paris)" in paris and "PAUSED" in paris
     assert ("CET" in paris or "CEST" in paris) and ":30:00" in paris
     assert tick.index("next ") == paris.index("next "), "the columns line up, however long a schedule"

@@ -21,6 +21,7 @@ from django.db import DatabaseError
 
 from django_anarchon import scheduler
 from django_anarchon.exceptions import AnarchonError
+from django_anarchon.taskjobs import task_name
 
 
 def _errors_reach_stderr() -> bool:
@@ -174,6 +175,10 @@ class Command(BaseCommand):
             flags = [f"overlap={job.overlap}", f"catch_up={job.catch_up}"]
             if job.timeout_ms:
                 flags.append(f"timeout={job.timeout_ms / 1000:g}s")
+            if job.alert_after_ms:
+                flags.append(f"alert_after={job.alert_after_ms / 1000:g}s")
+            if job.is_task_job:
+                flags.append(f"task={task_name(job.task)}")
             if job.name in paused:
                 flags.append("PAUSED")
             self.stdout.write(
