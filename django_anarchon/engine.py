@@ -91,8 +91,8 @@ STARTUP_RETRY_S = 5.0
 # the loop reads the jobs' pause once more and withdraws the runs of the jobs paused since.
 PAUSE_CHECK_LEAD_MS = 20
 PAUSED_DETAIL = "the job was paused before its slot"
-# How long the loop waits for the ends of its own runs that have just returned to be written
-# before it decides their jobs' slots (see Engine._await_own_endings).
+# How long the loop holds back the slots of a job whose run here has just ended, for its end to be
+# written first (see Engine._ending_here).
 OWN_ENDINGS_WAIT_S = 0.1
 
 
@@ -406,11 +406,14 @@ class Engine:
         if not batch:
             self.queue.settle(batch, store.Outcome(), now, now)
             return
-        self._await_own_endings(c.job for c in batch.claims if not c.shed)
-        outcome = self._decide(batch, skip_locked=True, now_ms=now)
+        held = self._ending_here(c.job for c in batch.claims)
+        if held:
+            batch.claims = [c for c in batch.claims if c.job.name not in held]
+        outcome = self._decide(batch, skip_locked=True, now_ms=now) if batch else store.Outcome()
         if outcome is FAILED:
             self.queue.failed(batch, now + max(int(self.trouble.backoff * 1000), 50))
             return
+        outcome.busy.extend(sorted(held))  # looked at again in a moment, as a job another instance held
         # A busy job is most often another instance deciding the very same slot: look
         # again once such a claim has had time to commit, when an unlocked read usually
         # settles it without a transaction. Retrying sooner only takes CPU from the holder.
@@ -418,26 +421,24 @@ class Engine:
         if self.queue.settle(batch, outcome, now, retry):
             self._room_wanted = True
 
-    def _await_own_endings(self, jobs: Iterable[Job]) -> None:
-        """Have the ends of this instance's runs of ``jobs`` that have just returned written first.
+    def _ending_here(self, jobs: Iterable[Job]) -> set[str]:
+        """Which of ``jobs`` have a run here whose end is about to be written: decide their slots a moment later.
 
         The recorder collects endings for ``COLLECT_S`` before it writes them, and until then the
         database has the run running: a slot of its job decided meanwhile (the next slot of a
         handler that returned a moment before it, a manual run under replace) would be skipped,
-        or would replace a run that has ended. The wait is bounded (``OWN_ENDINGS_WAIT_S``): a
-        database too slow to write them in that time decides on what it holds.
+        or would replace a run that has ended. Those jobs are held back (and the recorder told to
+        write now), the others decided at once. A job is held back for ``OWN_ENDINGS_WAIT_S`` at
+        most: a database too slow to write the end by then decides on what it holds.
         """
         names = {job.name for job in jobs if job.overlap != "allow"}
         if not names:
-            return
-        ending = self.table.ending(names)
-        if not ending:
-            return
-        self.recorder.hurry()
-        until = time.monotonic() + OWN_ENDINGS_WAIT_S
-        for active in ending:
-            if not active.ended.wait(max(0.0, until - time.monotonic())):
-                return
+            return set()
+        now = time.monotonic()
+        held = {active.run.job for active in self.table.ending(names) if now - active.ending_since < OWN_ENDINGS_WAIT_S}
+        if held:
+            self.recorder.hurry()
+        return held
 
     def _read_peers(self) -> None:
         """Read the live instances, including this one (heartbeats in the last three intervals).
@@ -688,8 +689,11 @@ class Engine:
             else:
                 self._warn_undeclared(name)
         self._waiting_jobs = waiting
+        held = self._ending_here(self.jobs[name] for name in waiting) if waiting else set()
+        if held:
+            waiting = waiting - held
+            self._takeover_at = min(self._takeover_at, time.monotonic() + BUSY_RETRY_MS / 1000)  # poll again then
         if waiting and self.capacity() > 0:
-            self._await_own_endings(self.jobs[name] for name in waiting)
             sent = time.monotonic()
             outcome = self.trouble.call(
                 store.claim_pending,

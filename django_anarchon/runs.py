@@ -95,6 +95,7 @@ class ActiveRun:
         self.ended = Latch()  # set when its end is recorded, given up, or decided elsewhere
         self.ran = False  # its handler was called
         self._state = Phase.RUNNING
+        self._finishing_at: float | None = None  # monotonic time its ending began
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -104,12 +105,18 @@ class ActiveRun:
     def state(self) -> Phase:
         return self._state
 
+    @property
+    def ending_since(self) -> float:
+        """Since when (monotonic) this run has been ending: its end decided, or else its handler returned."""
+        return self._finishing_at or self.returned_at or time.monotonic()
+
     def begin_finish(self) -> bool:
         """Claim the right to end this run; False if someone else already did."""
         with self._lock:
             if self._state is not Phase.RUNNING:
                 return False
             self._state = Phase.FINISHING
+            self._finishing_at = time.monotonic()
             return True
 
     def begin_start(self) -> bool:
@@ -131,6 +138,7 @@ class ActiveRun:
             if self._state is not Phase.RUNNING or self.ran:
                 return False
             self._state = Phase.FINISHING
+            self._finishing_at = time.monotonic()
             return True
 
     def done(self) -> None:
@@ -276,7 +284,8 @@ class RunTable:
         return limit + headroom - busy
 
     def ending(self, jobs: Collection[str]) -> list[ActiveRun]:
-        """This instance's runs of ``jobs`` whose handler is over and whose end is not recorded yet.
+        """This instance's runs of ``jobs`` that are ending: their end is decided, or their handler is
+        over, and the end is not written yet (a timed-out run's handler may still be running).
 
         The database has them running until the recorder writes their end: a slot of the job
         decided meanwhile would find the job busy.
@@ -285,7 +294,8 @@ class RunTable:
             return [
                 active
                 for active in self._active.values()
-                if active.returned and active.state is not Phase.DONE and active.run.job in jobs
+                if active.run.job in jobs
+                and (active.state is Phase.FINISHING or (active.returned and active.state is Phase.RUNNING))
             ]
 
     def returned(self, active: ActiveRun) -> None:

@@ -130,6 +130,15 @@ ROWS: list[tuple[str, str, str, Any]] = [
         ),
     ),
     (
+        "Clock stepped in an outage",
+        "NTP steps the one instance's clock 60 s forward while the database is down (libfaketime)",
+        "clock_step_in_outage",
+        lambda f: (
+            f"the step was absorbed at once and the database clock measured when it came back; "
+            f"{f['missed_counted']} slots counted missed in a {f['outage_s']} s outage, none decided early"
+        ),
+    ),
+    (
         "Rolling deploy",
         "SIGTERM and restart 3 instances one at a time under a long checkpointing job",
         "rolling_deploy",

@@ -602,6 +602,45 @@ def test_a_clock_stepped_forward_under_a_running_instance_never_makes_it_claim_e
     report("clock_step", {"step_s": 6, "slots_after_step": len(after), "stepper_wins": len(won), "early_claims": 0})
 
 
+def test_a_clock_stepped_forward_while_the_database_is_away_never_runs_or_counts_slots_not_yet_due(
+    cluster: Cluster, events: Path, tmp_path: Path
+) -> None:
+    """Helper 24: stepped +180 s during an outage, an instance kept its old correction (measuring failed),
+    and when the database came back it recorded minutes of future slots missed and ran catch-ups early."""
+    if vendor() == "sqlite":
+        pytest.skip("not applicable to SQLite: the database clock is the host's own, stepped with it")
+    assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run the clock-step test"
+    cluster.jobs = [{"name": "tick", "every": "1s", "kind": "record"}]
+    offset = tmp_path / "faketime.rc"
+    offset.write_text("+0\n")
+    stepper_env = {
+        "ANARCHON_TEST_EVENTS": str(events),
+        "LD_PRELOAD": str(FAKETIME_LIB),
+        "FAKETIME_TIMESTAMP_FILE": str(offset),
+        "FAKETIME_CACHE_DURATION": "1",  # see the test above
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+    stepper = cluster.start("stepper", extra_env=stepper_env)  # alone: it decides the catch-up
+    cluster.wait_ready(stepper)
+    time.sleep(1.5)
+    connection.close()
+    down, back = _db_down(TTL + 2, meanwhile=lambda: offset.write_text("+60s\n"))
+    connection.close()
+    time.sleep(6)
+    stopping = time.time()
+    assert stop_all(cluster, [stepper]) == [0], cluster.logs()
+    assert "clock was stepped by +60" in stepper.output(), stepper.output()
+    ticks = list(Run.objects.filter(job="tick"))
+    early = [(r.slot, r.reason, r.status) for r in ticks if (r.scheduled_at - r.created_at).total_seconds() > 0.3]
+    assert not early, f"{len(early)} slot(s) decided seconds before they were due: {early[:5]}"
+    missed = sum(int(r.detail.split(" ", 1)[0]) for r in ticks if r.status == "missed")
+    assert missed <= back - down + 3, f"{missed} slots counted missed in an outage of {back - down:.1f} s"
+    started = {e["slot"] for e in read_events(events) if e["job"] == "tick" and e["event"] == "start"}
+    expected = range((int(back) + 3) * 1000, int(stopping - 1) * 1000, 1000)
+    assert all(slot in started for slot in expected), "slots after the outage were not run"
+    report("clock_step_in_outage", {"step_s": 60, "outage_s": round(back - down, 1), "missed_counted": missed})
+
+
 # -- rolling deploy ----------------------------------------------------------------------
 
 

@@ -1012,7 +1012,20 @@ def test_slots_missed_before_a_pause_made_while_the_cluster_was_down_are_recorde
 def test_catch_up_all_is_bounded_and_warns(caplog: pytest.LogCaptureFixture) -> None:
     job = make_job(every="1s", catch_up="all")
     _ran(job, SLOT)
-    outcome = decide([], [store.CatchUp(job, until=SLOT + 150_000)])
+    in_transaction: list[bool] = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "missed 150 slots" in record.getMessage():
+                in_transaction.append(connections[store.alias()].in_atomic_block)
+
+    watch = Watch()
+    logging.getLogger("django_anarchon").addHandler(watch)
+    try:
+        outcome = decide([], [store.CatchUp(job, until=SLOT + 150_000)])
+    finally:
+        logging.getLogger("django_anarchon").removeHandler(watch)
+    assert in_transaction == [False], "warned once, after the commit (a retried transaction would say it twice)"
     assert len(outcome.won) == 1
     assert Run.objects.filter(reason="catch-up").count() == store.CATCH_UP_LIMIT
     assert Run.objects.filter(reason="catch-up").order_by("slot").first().slot == SLOT + 51_000

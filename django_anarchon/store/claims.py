@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,10 @@ if TYPE_CHECKING:
 REPLACED = "replaced by a newer slot (overlap='replace')"
 _Missed = tuple[Run, int]  # a missed record (not yet saved) and how many slots it counts
 # A catch-up waits for its job to be free; under replace, a job whose runs outlast its interval never is.
-NO_TURN = "replaced by a newer slot (overlap='replace'): newer slots ran back to back and left this catch-up no turn"
+NO_TURN = (
+    "replaced by a newer slot (overlap='replace'): a newer slot's run outlasted its interval "
+    "before this catch-up had its turn"
+)
 
 
 @retry_deadlocks
@@ -166,6 +170,7 @@ def _decide(
         return outcome
     db = alias()
     names = sorted({c.job.name for c in claims} | {c.job.name for c in catch_ups})
+    later: list[Callable[[], None]] = []  # warnings to log once the transaction has committed
     with transaction.atomic(using=db):
         states = statements.lock_jobs(names, skip_locked=skip_locked)
         if len(states) < len(names):
@@ -176,7 +181,7 @@ def _decide(
         all_claims = list(claims)
         missed: list[_Missed] = []
         if catch_ups:
-            extra, missed = _expand_catch_ups(catch_ups, states, owner, instance_id)
+            extra, missed = _expand_catch_ups(catch_ups, states, owner, instance_id, later)
             all_claims = extra + all_claims
         slots = sorted({c.slot for c in all_claims})
         # One query for both "what is each job doing" and "was this slot decided".
@@ -291,7 +296,9 @@ def _decide(
                     outcome.interrupted.append(row)
         if any(r.status == Status.PENDING for r in inserts):
             notify("queued")
-    for row, count in missed:  # once committed, and outside the locks
+    for say in later:  # once committed, and outside the locks
+        say()
+    for row, count in missed:
         logger.warning(
             "Job %r: %s", row.job, row.detail, extra={"job": row.job, "missed": count, "instance": instance_id}
         )
@@ -302,12 +309,13 @@ def _decide(
 def _left_no_turn(view: _JobView) -> list[int]:
     """The waiting catch-ups of a replace job that its newest slot, about to replace what runs, leaves no turn.
 
-    A catch-up waits for the job to be free (see :func:`_expand_catch_ups`). When the run being
-    replaced is itself of a slot newer than a waiting catch-up, the job has run without a break
-    since that catch-up began to wait: its runs outlast its interval, it is never free, and the
-    catch-up would wait for ever. It is recorded replaced, as the run of an older slot is under
-    replace. A catch-up waiting behind a run older than itself (a run from before the outage, or
-    the previous catch-up under ``catch_up="all"``) keeps its turn.
+    A catch-up waits for the job to be free (see :func:`_expand_catch_ups`). A job whose runs
+    outlast its interval never is: each slot replaces the run before it, and the catch-up would
+    wait for ever. So once the run being replaced is of a slot newer than a waiting catch-up (a
+    newer slot's run outlasted its interval while the catch-up waited), the catch-up is recorded
+    replaced, as the run of an older slot is under replace: one such overrun is enough, as one
+    replaced run is. A catch-up waiting behind a run older than itself (a run from before the
+    outage, or the previous catch-up under ``catch_up="all"``) keeps its turn.
     """
     newest = max((r.slot for r in view.active if r.id is not None and not r.manual), default=None)
     if newest is None:
@@ -338,7 +346,11 @@ def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
 
 
 def _expand_catch_ups(
-    catch_ups: Sequence[CatchUp], states: dict[str, statements.Locked], owner: str, instance_id: str
+    catch_ups: Sequence[CatchUp],
+    states: dict[str, statements.Locked],
+    owner: str,
+    instance_id: str,
+    later: list[Callable[[], None]],
 ) -> tuple[list[Claim], list[_Missed]]:
     """Turn windows of possibly missed slots into catch-up claims and ``missed`` records.
 
@@ -427,12 +439,15 @@ def _expand_catch_ups(
         for slot in to_run:
             claims.append(Claim(job, slot, Reason.CATCH_UP, wait=True))
         if job.catch_up == "all" and count > CATCH_UP_LIMIT:
-            logger.warning(
-                "Job %r missed %d slots; catch_up='all' runs the newest %d and records the rest as missed",
-                job.name,
-                count,
-                CATCH_UP_LIMIT,
-                extra={"job": job.name, "missed": count},
+            later.append(
+                functools.partial(
+                    logger.warning,
+                    "Job %r missed %d slots; catch_up='all' runs the newest %d and records the rest as missed",
+                    job.name,
+                    count,
+                    CATCH_UP_LIMIT,
+                    extra={"job": job.name, "missed": count},
+                )
             )
         if not_run:
             newest_not_run = not_run_slots[-1]

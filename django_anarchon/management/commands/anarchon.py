@@ -222,8 +222,9 @@ class Command(BaseCommand):
             raise CommandError(f"stopped before job {name!r} could run (another run of it had not ended)")
         self.stdout.write(f"{run.job} slot={run.slot} attempt={run.attempt}: {run.status}")
         if run.status != "success":
-            if run.traceback and not _errors_reach_stderr():
-                # The run's "Run failed" log line carries it where it reaches the terminal.
+            # The run's "Run failed" log line carries the handler's traceback where it reaches the
+            # terminal; a task job's log line has this process's, and the row the task's own.
+            if run.traceback and (scheduler.job(name).is_task_job or not _errors_reach_stderr()):
                 self.stderr.write(run.traceback.rstrip("\n"))
             raise CommandError(f"the run ended {run.status}: {run.error_type}: {run.error_message}".rstrip(": "))
 
