@@ -784,6 +784,24 @@ def test_replace_interrupts_the_running_run_and_runs_the_new_slot() -> None:
 # -- catch-up ------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def warned_in_transaction(fragment: str) -> Iterator[list[bool]]:
+    """For each warning containing ``fragment`` logged meanwhile: whether a transaction was open."""
+    seen: list[bool] = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if fragment in record.getMessage():
+                seen.append(connections[store.alias()].in_atomic_block)
+
+    watch = Watch()
+    logging.getLogger("django_anarchon").addHandler(watch)
+    try:
+        yield seen
+    finally:
+        logging.getLogger("django_anarchon").removeHandler(watch)
+
+
 def _ran(job: Job, slot: int) -> None:
     run = decide([store.Claim(job, slot)]).won[0]
     store.finish(run.id, owner="me", status="success")
@@ -805,20 +823,8 @@ def test_a_catch_up_batch_counts_every_jobs_missed_slots_in_one_update_and_warns
         paused_at=store.slot_datetime(SLOT + 25_000), resumed_at=store.slot_datetime(SLOT + 35_000)
     )
     caplog.set_level("WARNING", logger="django_anarchon")
-    in_transaction: list[bool] = []
-
-    class Watch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "slot(s) missed" in record.getMessage():
-                in_transaction.append(connections[store.alias()].in_atomic_block)
-
-    watch = Watch()
-    logging.getLogger("django_anarchon").addHandler(watch)
-    try:
-        with CaptureQueriesContext(connection) as sent:
-            outcome = decide([], [store.CatchUp(job, until=SLOT + 60_000) for job in jobs], owner="back")
-    finally:
-        logging.getLogger("django_anarchon").removeHandler(watch)
+    with warned_in_transaction("slot(s) missed") as in_transaction, CaptureQueriesContext(connection) as sent:
+        outcome = decide([], [store.CatchUp(job, until=SLOT + 60_000) for job in jobs], owner="back")
     counts = dict(JobState.objects.values_list("name", "missed_count"))
     # 60 s of 10 s slots: 6 due, 5 not run; of 20 s: 3, 2; of 30 s: 2, 1. j5 (10 s): 10 and 20 s,
     # before its pause, and 40 and 50 s, after its resume at 35 s, are missed (60 s runs).
@@ -1012,19 +1018,8 @@ def test_slots_missed_before_a_pause_made_while_the_cluster_was_down_are_recorde
 def test_catch_up_all_is_bounded_and_warns(caplog: pytest.LogCaptureFixture) -> None:
     job = make_job(every="1s", catch_up="all")
     _ran(job, SLOT)
-    in_transaction: list[bool] = []
-
-    class Watch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "missed 150 slots" in record.getMessage():
-                in_transaction.append(connections[store.alias()].in_atomic_block)
-
-    watch = Watch()
-    logging.getLogger("django_anarchon").addHandler(watch)
-    try:
+    with warned_in_transaction("missed 150 slots") as in_transaction:
         outcome = decide([], [store.CatchUp(job, until=SLOT + 150_000)])
-    finally:
-        logging.getLogger("django_anarchon").removeHandler(watch)
     assert in_transaction == [False], "warned once, after the commit (a retried transaction would say it twice)"
     assert len(outcome.won) == 1
     assert Run.objects.filter(reason="catch-up").count() == store.CATCH_UP_LIMIT
