@@ -383,6 +383,11 @@ class Engine:
             due_in = self.queue.wake_in_ms(self.clock.now_ms())
             if due_in is not None:
                 wait = min(wait, due_in / 1000)
+        else:
+            # Asleep until a handler returns (the runs this turn won took the last room): slots
+            # that come due meanwhile are owed a worker, not missed by the cluster (catch-up).
+            self.queue.note_no_room(self.clock.now_ms())
+            self._room_wanted = True
         if self._pause_checks:
             wait = min(wait, (self._pause_checks[0][0] - self.clock.now_ms()) / 1000)
         self.trouble.end_turn()

@@ -1186,6 +1186,32 @@ def test_with_too_few_workers_every_slot_runs_late_or_is_recorded_skipped(sched:
     assert late, "a slot that waited for the worker ran late, as scheduled"
 
 
+def test_a_turn_that_takes_the_last_worker_counts_the_slots_due_after_it_as_owed(sched: Scheduler) -> None:
+    """Helper 26: the turn that won the last room reset the shortage mark and went to sleep until a
+    handler returned without setting it again; a slot that came due before the next turn, still
+    waiting for a worker past its grace, was then taken for one the cluster missed: run as a
+    catch-up, and the job's current slot skipped behind it."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def hog(ctx: Context) -> None:
+        started.set()
+        release.wait(10)
+
+    sched.every("hog", "1s", hog)
+    try:
+        with override_settings(ANARCHON={"LEASE_TTL": 3.0, "POLL_INTERVAL": 1.0, "MAX_WORKERS": 1}):
+            start(sched)
+            engine = running_engine(sched)
+            assert started.wait(5)
+            # The turn that won hog's run took the last worker: the loop now sleeps until a handler
+            # returns, and says so at once, not a poll later.
+            wait_for(lambda: engine.queue._short_since is not None, 0.3, what="the shortage noted by that turn")
+            assert engine._room_wanted
+    finally:
+        release.set()
+
+
 def test_an_instance_learns_of_a_new_peer_when_it_next_claims(monkeypatch: pytest.MonkeyPatch) -> None:
     from django_anarchon.clock import Clock
     from django_anarchon.conf import parse

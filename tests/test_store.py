@@ -862,6 +862,21 @@ def test_the_data_check_lets_through_only_floats_every_database_gives_back_as_fl
     assert back == data and [type(x) for x in back["floats"]] == [float] * 7 and type(back["int"]) is int
 
 
+def test_a_handed_over_attempt_of_a_slot_still_ahead_is_recorded_started_at_its_slot() -> None:
+    """Helper 26: stopped just before a slot it had claimed ahead, a runner handed the attempt over;
+    the instance that took it up recorded started_at 13-22 ms before the slot (the handler started
+    after it): guarantees.md says started_at is the later of the claim and the slot."""
+    job = make_job(every="1s")
+    ahead = (int(store.database_time().timestamp()) + 30) * 1000
+    scheduled = store.slot_datetime(ahead)
+    Run.objects.create(
+        job="job", slot=ahead, attempt=1, status="interrupted", reason="scheduled", scheduled_at=scheduled
+    )
+    Run.objects.create(job="job", slot=ahead, attempt=2, status="pending", reason="takeover", scheduled_at=scheduled)
+    [taken] = store.claim_pending(["job"], {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=5).won
+    assert taken.attempt == 2 and taken.started_at == scheduled, (taken.started_at, scheduled)
+
+
 def test_catch_up_latest_runs_the_newest_missed_slot_and_records_the_rest() -> None:
     job = make_job(every="10s")
     _ran(job, SLOT)

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from django.db import transaction
 from django.db.models import Case, F, Value, When
 
-from ..dbtime import DbNow, db_in
+from ..dbtime import DbNow, db_in, db_not_before
 from ..exceptions import AttemptsExhausted
 from ..models import Reason, Run, Status
 from . import statements
@@ -102,7 +102,7 @@ def _next_attempt(old: Run, *, owner: str, instance_id: str, ttl: float, start: 
     if start:
         new.owner = owner
         new.instance_id = instance_id
-        new.started_at = DbNow()
+        new.started_at = db_not_before(old.scheduled_at)  # the handler starts at the slot, not before
         new.lease_expires_at = db_in(ttl)
     new.save(using=alias(), force_insert=True)
     new.refresh_from_db()

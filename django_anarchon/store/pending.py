@@ -8,7 +8,7 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 
-from ..dbtime import DbNow, db_in
+from ..dbtime import DbNow, db_in, db_not_before
 from ..models import JobState, Reason, Run, Status
 from ..registry import Job
 from . import statements
@@ -117,7 +117,8 @@ def claim_pending(
                     status=Status.RUNNING,
                     owner=owner,
                     instance_id=instance_id,
-                    started_at=DbNow(),
+                    # A handed-over attempt of a slot still ahead starts at its slot, not before.
+                    started_at=db_not_before(row.scheduled_at),
                     lease_expires_at=db_in(ttl),
                     detail=STARTED_AFTER_WAITING.get(row.detail, row.detail),
                 )
