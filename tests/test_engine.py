@@ -56,7 +56,7 @@ def test_a_returning_handler_is_recorded_success_with_its_context(sched: Schedul
     seen: list[Context] = []
     sched.every("ok", "500ms", seen.append, data={"who": "job"})
     start(sched)
-    [run, *_] = finished("ok")
+    [run, *_] = finished("ok", status="success")
     assert run.status == "success" and run.reason == "scheduled" and run.attempt == 1
     ctx = seen[0]
     assert ctx.slot % 500 == 0 and ctx.slot == run.slot
@@ -142,7 +142,7 @@ def test_a_handler_that_honours_the_timeout_sees_timeout_error(sched: Scheduler)
 
     sched.every("patient", "1s", patient, timeout=0.2)
     start(sched)
-    [run, *_] = finished("patient")
+    [run, *_] = finished("patient", status="failed")
     assert run.status == "failed" and run.error_type == "TimeoutError"
     assert reasons[0] == "TimeoutError"
 
@@ -831,7 +831,7 @@ def test_huge_error_messages_and_tracebacks_are_recorded_bounded(sched: Schedule
 
     sched.every("huge", "500ms", lambda ctx: deep(900))
     start(sched)
-    [run, *_] = finished("huge")
+    [run, *_] = finished("huge", status="failed")
     assert run.status == "failed" and run.error_type == "RuntimeError"
     assert run.error_message.startswith("éééé") and 10_000 <= len(run.error_message) < 10_100
     assert "more characters" in run.error_message
@@ -842,7 +842,7 @@ def test_non_ascii_job_names_and_data(sched: Scheduler) -> None:
     seen: list[Any] = []
     sched.every("nettoyage-été ✓", "500ms", lambda ctx: seen.append((ctx.name, ctx.data)), data={"ville": "Zürich"})
     start(sched)
-    [run, *_] = finished("nettoyage-été ✓")
+    [run, *_] = finished("nettoyage-été ✓", status="success")
     assert run.status == "success" and run.data == {"ville": "Zürich"}
     assert seen[0] == ("nettoyage-été ✓", {"ville": "Zürich"})
 

@@ -257,7 +257,7 @@ def test_each_slot_enqueues_its_task_once_and_the_worker_runs_it_with_the_slot(s
 def test_the_immediate_backend_runs_the_task_in_the_schedulers_worker(sched: Scheduler) -> None:
     sched.every("now", "300ms", task=tasks.record_now, data=[1, 2])
     start(sched)
-    [run, *_] = finished("now")
+    [run, *_] = finished("now", status="success")
     assert run.status == "success" and run.task_result_id
     assert Execution.objects.filter(job="task:record_now", slot=run.slot, data=[1, 2]).count() == 1
 
@@ -274,7 +274,7 @@ def test_a_task_that_raises_on_the_immediate_backend_fails_the_run_and_its_write
     try:
         sched.every("boom", "300ms", task=tasks.fail_now)
         start(sched)
-        [run, *_] = finished("boom")
+        [run, *_] = finished("boom", status="failed")
         wait_for(lambda: failures, 5, what="run_failed")
     finally:
         signals.run_failed.disconnect(note)
@@ -296,7 +296,7 @@ def test_an_enqueue_that_fails_records_the_run_failed_with_the_error(
     monkeypatch.setattr(backend_class, "enqueue", refuse)
     sched.every("refused", "300ms", task=tasks.record_slot)
     start(sched)
-    [run, *_] = finished("refused")
+    [run, *_] = finished("refused", status="failed")
     assert run.status == "failed" and run.error_type == "ConnectionError"
     assert "the queue refused the task" in run.error_message
     assert task_results().objects.count() == 0
