@@ -271,6 +271,16 @@ def _decide(
         if missed:
             inserts.extend(row for row, _ in missed)
             _count_missed(missed)
+            later.extend(
+                functools.partial(
+                    logger.warning,
+                    "Job %r: %s",
+                    row.job,
+                    row.detail,
+                    extra={"job": row.job, "missed": count, "instance": instance_id},
+                )
+                for row, count in missed
+            )
         if inserts:
             # No conflict is possible under the job locks, but run_now() may
             # pick the same millisecond; the INSERT leaves out a taken slot
@@ -298,10 +308,6 @@ def _decide(
             notify("queued")
     for say in later:  # once committed, and outside the locks
         say()
-    for row, count in missed:
-        logger.warning(
-            "Job %r: %s", row.job, row.detail, extra={"job": row.job, "missed": count, "instance": instance_id}
-        )
     outcome.won.sort(key=lambda r: (r.slot, r.job))
     return outcome
 

@@ -888,8 +888,7 @@ def claim_scheduled(
         )
     ordered = sorted(claims, key=lambda c: (c.slot, c.job.name))
     by_key = {(c.job.name, c.slot): c for c in ordered}
-    data = {c.job.name: _resolved_data(c.job, default_data) for c in ordered}
-    texts = {name: None if value is None else json.dumps(value) for name, value in data.items()}
+    texts = _data_texts(ordered, default_data)
     params: list[Any] = [
         # Array literals written here: adapting Python lists took psycopg longer than the
         # rest of the call's client side.
@@ -1005,10 +1004,7 @@ def _claim_scheduled_sqlite(
     if not sent:
         return outcome, undecided
 
-    data = {c.job.name: _resolved_data(c.job, default_data) for c in sent}
-    # The column's own encoding (JSONField with no encoder): json.dumps, once for the statement and
-    # the copies handed back alike.
-    texts = {name: None if value is None else json.dumps(value) for name, value in data.items()}
+    texts = _data_texts(sent, default_data)
     data_sql = {name: "NULL" if value is None else _sqlite_text(value) for name, value in texts.items()}
     moments = {c.slot: _sqlite_text(str(_MOMENT.get_db_prep_save(slot_datetime(c.slot), connection))) for c in sent}
     rows = ", ".join(
@@ -1058,6 +1054,20 @@ def _claim_scheduled_sqlite(
         paused = paused_among(sorted({c.job.name for c in lost}))
         undecided.extend(c for c in lost if c.job.name not in paused)
     return outcome, sorted(undecided, key=lambda c: (c.slot, c.job.name))
+
+
+def _data_texts(claims: Sequence[Claim], default_data: Any) -> dict[str, str | None]:
+    """Each claimed job's run data as the column stores it (``None`` for none), by job name.
+
+    The column's own encoding (JSONField with no encoder): ``json.dumps``, once per job for the
+    statement and for the copies handed back alike.
+    """
+    texts: dict[str, str | None] = {}
+    for claim in claims:
+        if claim.job.name not in texts:
+            value = _resolved_data(claim.job, default_data)
+            texts[claim.job.name] = None if value is None else json.dumps(value)
+    return texts
 
 
 def _sqlite_text(value: str) -> str:
