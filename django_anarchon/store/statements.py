@@ -1006,7 +1006,11 @@ def _claim_scheduled_sqlite(
 
     texts = _data_texts(sent, default_data)
     data_sql = {name: "NULL" if value is None else _sqlite_text(value) for name, value in texts.items()}
-    moments = {c.slot: _sqlite_text(str(_MOMENT.get_db_prep_save(slot_datetime(c.slot), connection))) for c in sent}
+    # Per distinct slot (a batch is mostly one or two): adapting a datetime the field's way is slow.
+    moments = {
+        slot: _sqlite_text(str(_MOMENT.get_db_prep_save(slot_datetime(slot), connection)))
+        for slot in {c.slot for c in sent}
+    }
     rows = ", ".join(
         f"(%s, {int(c.slot)}, {moments[c.slot]}, {data_sql[c.job.name]}, {1 if c.job.overlap == 'allow' else 0})"
         for c in sent
