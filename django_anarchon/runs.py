@@ -410,7 +410,8 @@ class RunTable:
         active.abort(
             "fenced",
             Interrupted(
-                f"could not renew the lease for {silent:.1f}s (database unreachable or too slow); "
+                f"could not renew the lease for {silent:.1f}s (the database unreachable or too slow, or this "
+                "process frozen: SIGSTOP, a suspended VM); "
                 "stopping before another instance may take the run over"
             ),
         )

@@ -168,7 +168,12 @@ def test_a_handler_waking_from_a_sleep_that_outlasted_its_lease_is_fenced_at_onc
     wait_for(lambda: len(ends.calls) == 1, 5, what="the run to end")
     [(ended, error, started)] = ends.calls
     assert after == [], "the handler went on after a sleep that outlasted its lease"
-    assert isinstance(error, Interrupted) and "could not renew the lease" in str(error) and started
+    assert (
+        isinstance(error, Interrupted)
+        and "could not renew the lease" in str(error)
+        and "frozen" in str(error)
+        and started
+    )
     assert active.cause == "fenced"
 
 
