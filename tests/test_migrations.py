@@ -87,3 +87,50 @@ def test_migration_0009_goes_both_ways_and_runs_again_after_stopping_half_way() 
     assert len(changes) == 3, changes  # back: create the old, drop the new; forward: drop the old
     if connection.vendor == "postgresql":
         assert all("CONCURRENTLY" in s for s in changes), changes
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migration_0010_gives_the_job_name_columns_a_binary_collation_on_mysql_and_touches_nothing_elsewhere() -> None:
+    """On MySQL/MariaDB a column takes the database's default collation, usually case- and
+    accent-insensitive: "Sync" and "sync" were one job there (helper 28). The migration makes the
+    name columns compare exactly, keeping their character set; elsewhere it sends no statement."""
+    from django.db import connection
+
+    sent: list[str] = []
+
+    def keep(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if sql.lstrip().upper().startswith("ALTER"):
+            sent.append(sql)
+        return execute(sql, params, many, context)
+
+    columns = {"django_anarchon_jobstate": "name", "django_anarchon_run": "job"}
+    try:
+        call_command("migrate", "django_anarchon", "0009", verbosity=0)
+        if connection.vendor == "mysql":
+            with connection.cursor() as cursor:  # as a table made before the migration has them
+                for table, column in columns.items():
+                    cursor.execute(
+                        f"ALTER TABLE {table} MODIFY {column} varchar(200) "
+                        "CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL"
+                    )
+        with connection.execute_wrapper(keep):
+            call_command("migrate", "django_anarchon", verbosity=0)
+            applied_again = len(sent)
+            call_command("migrate", "django_anarchon", "0009", verbosity=0)
+            call_command("migrate", "django_anarchon", verbosity=0)  # already binary: nothing to do
+    finally:
+        call_command("migrate", "django_anarchon", verbosity=0)
+    if connection.vendor != "mysql":
+        assert sent == []
+        return
+    assert applied_again == 2 and len(sent) == 2, sent
+    with connection.cursor() as cursor:
+        for table, column in columns.items():
+            cursor.execute(
+                "SELECT character_set_name, collation_name, is_nullable FROM information_schema.columns "
+                "WHERE table_schema = DATABASE() AND table_name = %s AND column_name = %s",
+                [table, column],
+            )
+            assert cursor.fetchone() == ("utf8mb4", "utf8mb4_bin", "NO"), (table, column)
+        primary = connection.introspection.get_constraints(cursor, "django_anarchon_jobstate")
+    assert any(c["primary_key"] and c["columns"] == ["name"] for c in primary.values()), primary

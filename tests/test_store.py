@@ -504,6 +504,23 @@ def test_names_and_data_with_quotes_backslashes_braces_and_commas_are_claimed_in
         assert (run.job, run.slot, run.status) == (stored[run.job].job, SLOT, "running")
 
 
+def test_names_that_differ_only_in_case_or_accents_are_different_jobs_on_every_database() -> None:
+    """MySQL/MariaDB columns compare case- and accent-insensitively by default: migration 0010 gives the
+    name columns a binary collation, or "Sync" shared "sync"'s job state, was skipped while "sync"
+    ran, and its claims raised in the loop (helper 28)."""
+    names = ["sync", "Sync", "café", "cafe", "nettoyage-été", "nettoyage-ete"]
+    jobs = [make_job(name) for name in names]
+    store.ensure_jobs(jobs)
+    assert sorted(JobState.objects.values_list("name", flat=True)) == sorted(names)
+    first = decide([store.Claim(job, SLOT) for job in jobs[::2]])  # sync, café, nettoyage-été run
+    assert sorted(r.job for r in first.won) == sorted(names[::2])
+    # Their twins are free: neither skipped as "still running" nor left undecided.
+    second = decide([store.Claim(job, SLOT + 1000) for job in jobs[1::2]])
+    assert sorted(r.job for r in second.won) == sorted(names[1::2]) and not second.skipped
+    assert sorted(Run.objects.values_list("job", flat=True)) == sorted(names)
+    assert Run.objects.filter(job="Sync").count() == 1 and Run.objects.filter(job="cafe").count() == 1
+
+
 def _a_job_with_a_long_history_among_busy_ones() -> Job:
     """A job with 3,000 finished runs, and 300 other jobs each with a run running: what a claim's
     lookups must not pass over."""
