@@ -80,13 +80,23 @@ def _origin(handler: Any) -> str:
 
 
 def _is_async(handler: Callable[..., Any]) -> bool:
-    if inspect.iscoroutinefunction(handler):
+    return _any_form(handler, inspect.iscoroutinefunction)
+
+
+def _is_generator(handler: Callable[..., Any]) -> bool:
+    """A ``def`` or ``async def`` with ``yield``: calling it runs none of its body."""
+    return _any_form(handler, inspect.isgeneratorfunction) or _any_form(handler, inspect.isasyncgenfunction)
+
+
+def _any_form(handler: Callable[..., Any], test: Callable[[Any], bool]) -> bool:
+    """``test`` on the handler, the function of a ``functools.partial``, or a callable object's ``__call__``."""
+    if test(handler):
         return True
     inner = getattr(handler, "func", None)  # functools.partial
-    if inner is not None and inspect.iscoroutinefunction(inner):
+    if inner is not None and test(inner):
         return True
     call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects
-    return call is not None and inspect.iscoroutinefunction(call)
+    return call is not None and test(call)
 
 
 def validate_name(name: object) -> str:
@@ -239,6 +249,12 @@ def build_job(
             raise JobDeclarationError(name, str(error)) from None
     elif not callable(handler):
         raise JobDeclarationError(name, f"the handler must be a function or coroutine function, got {handler!r}")
+    elif _is_generator(handler):
+        raise JobDeclarationError(
+            name,
+            f"the handler {_origin(handler)} is a generator function (it contains 'yield'): calling it runs "
+            "none of its body, so every run would succeed doing nothing; use a plain def or async def",
+        )
     try:
         signature = None if arguments is not None else inspect.signature(handler)
     except (TypeError, ValueError):

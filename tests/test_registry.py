@@ -266,6 +266,30 @@ def test_non_callable_handler(sched: Scheduler, bad: object) -> None:
     assert len(sched.registry) == 0
 
 
+def _generator(ctx: Context) -> Any:
+    yield ctx.slot
+
+
+async def _async_generator(ctx: Context) -> Any:
+    yield ctx.slot
+
+
+class _YieldingCall:
+    def __call__(self, ctx: Context) -> Any:
+        yield ctx.slot
+
+
+@pytest.mark.parametrize(
+    "bad", [_generator, _async_generator, functools.partial(_generator), _YieldingCall()], ids=repr
+)
+def test_a_generator_handler_is_refused_since_calling_it_runs_none_of_its_body(sched: Scheduler, bad: Any) -> None:
+    """Called, a generator function returns a generator and runs nothing: every run was recorded
+    ``success`` with the handler's body never run (helper 28)."""
+    declaration_error(lambda: sched.every("job", "1m", bad), "Job 'job'", "generator function", "'yield'")
+    declaration_error(lambda: sched.cron("job", "@daily")(bad), "Job 'job'", "generator function")
+    assert len(sched.registry) == 0
+
+
 # -- bad declarations: each names the job and the value and says what is valid ------------------
 
 
