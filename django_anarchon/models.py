@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import models, router
+from django.db.models.lookups import IContains
 from django.db.models.sql import Query
 from django.utils.translation import gettext_lazy as _
 
@@ -108,6 +109,37 @@ class SuccessesIndex(models.Index):
         return plain.create_sql(model, schema_editor, using=using, **kwargs)
 
 
+class JobNameField(models.CharField):
+    """A job's name: compared exactly on every database, searched ignoring case.
+
+    MySQL/MariaDB columns take the database's collation, usually case- and accent-insensitive,
+    under which "sync" and "Sync" would be one job; this field asks for a binary collation there.
+    Migration 0010 gives it to tables made by the migrations; this covers tables made from the
+    models (``--no-migrations`` test databases). It deconstructs as a ``CharField``, so
+    migrations never see it: a later migration altering the column must keep the collation.
+    """
+
+    def db_parameters(self, connection: Any) -> dict[str, Any]:
+        parameters = super().db_parameters(connection)
+        if connection.vendor == "mysql" and not self.db_collation:
+            parameters["collation"] = "utf8mb4_bin"
+        return parameters
+
+    def deconstruct(self) -> Any:
+        name, _path, args, kwargs = super().deconstruct()
+        return name, "django.db.models.CharField", args, kwargs
+
+
+@JobNameField.register_lookup
+class _CaseInsensitiveContains(IContains):
+    """``icontains`` (the admin's search) ignores case on MySQL too, whose LIKE follows the binary collation."""
+
+    def as_mysql(self, compiler: Any, connection: Any) -> tuple[str, list[Any]]:
+        lhs, lhs_params = self.process_lhs(compiler, connection)
+        rhs, rhs_params = self.process_rhs(compiler, connection)
+        return f"LOWER({lhs}) LIKE LOWER({rhs})", [*lhs_params, *rhs_params]
+
+
 class RunQuerySet(models.QuerySet["Run"]):
     def active(self) -> RunQuerySet:
         """Runs that hold their job: running, or handed over and waiting for the next attempt."""
@@ -120,7 +152,7 @@ class RunQuerySet(models.QuerySet["Run"]):
 class Run(models.Model):
     """One attempt of one run of a job: the claim, the lease and the outcome."""
 
-    job = models.CharField(_("job"), max_length=200)
+    job = JobNameField(_("job"), max_length=200)
     slot = models.BigIntegerField(_("slot"), help_text=_("Scheduled time in milliseconds since 1970 (UTC)."))
     attempt = models.PositiveIntegerField(_("attempt"), default=1)
     status = models.CharField(_("status"), max_length=16, choices=Status.choices)
@@ -185,7 +217,7 @@ class Run(models.Model):
 class JobState(models.Model):
     """The cluster-wide state of a job: paused or not, missed slots; one row per job name."""
 
-    name = models.CharField(_("name"), max_length=200, primary_key=True)
+    name = JobNameField(_("name"), max_length=200, primary_key=True)
     schedule = models.CharField(_("schedule"), max_length=300, blank=True)
     paused = models.BooleanField(_("paused"), default=False)
     pause_note = models.TextField(_("pause note"), blank=True)

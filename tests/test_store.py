@@ -521,6 +521,27 @@ def test_names_that_differ_only_in_case_or_accents_are_different_jobs_on_every_d
     assert Run.objects.filter(job="Sync").count() == 1 and Run.objects.filter(job="cafe").count() == 1
 
 
+def test_job_names_are_searched_ignoring_case_on_every_database_though_compared_exactly() -> None:
+    """The admin searches with ``icontains``; on MySQL/MariaDB a LIKE follows the column's collation,
+    binary since migration 0010, and "SYNC" found neither "sync" nor "Sync" there (helper 30)."""
+    from django.db import connection
+
+    from django_anarchon.models import JobNameField
+
+    jobs = [make_job(name) for name in ("sync", "Sync", "café", "other")]
+    store.ensure_jobs(jobs)
+    decide([store.Claim(job, SLOT) for job in jobs])
+    assert sorted(Run.objects.filter(job__icontains="SYNC").values_list("job", flat=True)) == ["Sync", "sync"]
+    assert sorted(JobState.objects.filter(name__icontains="yn").values_list("name", flat=True)) == ["Sync", "sync"]
+    if connection.vendor != "sqlite":  # SQLite's LIKE folds ASCII letters only, for any Django model
+        assert list(JobState.objects.filter(name__icontains="CAFÉ").values_list("name", flat=True)) == ["café"]
+    assert list(JobState.objects.filter(name="SYNC")) == []  # equality stays exact
+    assert not JobState.objects.filter(name__icontains="50%").exists()  # LIKE's wildcards still escaped
+    # A table made from the models (a --no-migrations test database) gets the binary collation too.
+    collation = JobNameField(max_length=200).db_parameters(connection).get("collation")
+    assert collation == ("utf8mb4_bin" if connection.vendor == "mysql" else None)
+
+
 def _a_job_with_a_long_history_among_busy_ones() -> Job:
     """A job with 3,000 finished runs, and 300 other jobs each with a run running: what a claim's
     lookups must not pass over."""

@@ -7,7 +7,7 @@ default collation, usually case- and accent-insensitive (``utf8mb4_general_ci``,
 never ran. ``JobState.name`` and ``Run.job`` keep their character set and get its binary
 collation. PostgreSQL and SQLite compare exactly already; nothing changes there.
 
-On MariaDB this rebuilds the run table (its DDL is not transactional, and it holds back the
+On MySQL and MariaDB this rebuilds the run table (its DDL is not transactional, and it holds back the
 scheduler's writes meanwhile): with a long run history, apply it when the scheduler is stopped.
 It is skipped for a column that has a binary collation already, so it can be run again.
 A later migration that alters either field must keep the collation (Django's MySQL schema
