@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import threading
 import unicodedata
@@ -92,8 +93,7 @@ def _any_form(handler: Callable[..., Any], test: Callable[[Any], bool]) -> bool:
     """``test`` on the handler, the function of a ``functools.partial``, or a callable object's ``__call__``."""
     if test(handler):
         return True
-    inner = getattr(handler, "func", None)  # functools.partial
-    if inner is not None and test(inner):
+    if isinstance(handler, functools.partial) and test(handler.func):
         return True
     call = getattr(handler, "__call__", None)  # noqa: B004 - callable objects
     return call is not None and test(call)

@@ -758,6 +758,58 @@ def test_run_now_and_start_say_to_install_the_app_when_it_is_not(sched: Schedule
     assert not sched.running
 
 
+def test_a_plain_callable_returning_a_generator_fails_the_run_as_nothing_of_it_ran(sched: Scheduler) -> None:
+    """Generator functions are refused when declared; one behind a lambda was recorded a success
+    with none of its body run (helper 30)."""
+    ran: list[int] = []
+
+    def body(ctx: Context) -> Any:
+        ran.append(ctx.slot)
+        yield ctx.slot
+
+    async def async_body(ctx: Context) -> Any:
+        ran.append(ctx.slot)
+        yield ctx.slot
+
+    sched.every("gen", ON_DEMAND, lambda ctx: body(ctx))
+    sched.every("agen", ON_DEMAND, lambda ctx: async_body(ctx))
+    start(sched)
+    sched.run_now("gen")
+    sched.run_now("agen")
+    for name in ("gen", "agen"):
+        [run] = finished(name)
+        assert (run.status, run.error_type) == ("failed", "TypeError"), name
+        assert "returned a generator, so none of its body ran" in run.error_message and repr(name) in run.error_message
+    assert ran == []
+
+
+class _Wrapper:
+    """A callable object with a ``func`` attribute that is not a ``functools.partial``."""
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+
+    def __call__(self, ctx: Context) -> None:
+        for _ in self.func(ctx):
+            pass
+
+
+def test_a_callable_that_drives_a_generator_itself_is_a_handler(sched: Scheduler) -> None:
+    """Only a ``functools.partial``'s ``func`` is looked through: a wrapper object with a ``func``
+    of its own was refused as a generator function (helper 30)."""
+    seen: list[int] = []
+
+    def steps(ctx: Context) -> Any:
+        seen.append(ctx.slot)
+        yield
+
+    sched.every("driven", ON_DEMAND, _Wrapper(steps))
+    start(sched)
+    run = sched.run_now("driven")
+    [done] = finished("driven")
+    assert done.status == "success" and seen == [run.slot]
+
+
 def test_a_plain_callable_returning_a_coroutine_has_its_coroutine_awaited(sched: Scheduler) -> None:
     """It was recorded a success in a millisecond, the coroutine never awaited (and its error lost)."""
     ran: list[str] = []
