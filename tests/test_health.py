@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from datetime import timedelta
@@ -102,6 +103,32 @@ def test_the_django_health_check_plugin_reports_the_same() -> None:
             check.check_status()
             raise check.errors[0]
         check.run()
+
+
+def test_the_health_check_plugin_can_be_an_installed_app(tmp_path: Any) -> None:
+    """django-health-check 3 wants the plugin in INSTALLED_APPS: Django imports the package while it
+    loads the apps, and its import of the models stopped every command ("Apps aren't loaded yet",
+    helper 29)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "hc_settings.py").write_text(
+        "from tests.settings import *  # noqa\n"
+        "INSTALLED_APPS = [*INSTALLED_APPS, 'django_anarchon.contrib.health_check']\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup(); "
+         "from django.apps import apps; print(apps.get_app_config('anarchon_health_check').name)"],
+        cwd=root,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "hc_settings", "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "django_anarchon.contrib.health_check"
 
 
 # -- job_overdue -------------------------------------------------------------------------------

@@ -13,7 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from django_anarchon.health import check_health
+
+def check_health(instance_id: str | None = None) -> Any:
+    """:func:`django_anarchon.health.check_health`, imported when called: this package is an app
+    (django-health-check 3), imported while Django loads the apps, before models can be."""
+    from django_anarchon.health import check_health
+
+    return check_health(instance_id)
+
 
 try:
     from health_check.base import HealthCheck
