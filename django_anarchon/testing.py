@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from asgiref.sync import async_to_sync
-from django.db import transaction
+from django.db import DatabaseError, connections, transaction
 
 from . import taskjobs
 from .conf import check_json, get_settings
@@ -173,6 +173,8 @@ def run_job(
         timer = threading.Timer(job.timeout_ms / 1000, ctx.signal.abort, (timed_out,))
         timer.daemon = True
         timer.start()
+    taken = _savepoints()
+    ended: BaseException | None = None
     try:
         if job.is_async:
             result = async_to_sync(handler)(ctx)
@@ -180,17 +182,45 @@ def run_job(
             result = handler(ctx)
             if inspect.isawaitable(result):  # a callable object that returned a coroutine
                 result = async_to_sync(_await)(result)
-    except Interrupted as error:
-        outcome = Outcome("interrupted", error, None, saved[-1] if saved else progress, ctx)
-    except BaseException as error:  # noqa: B036 - as the scheduler does: every ending is an outcome
-        outcome = Outcome("failed", error, None, saved[-1] if saved else progress, ctx)
+    except Interrupted as raised:
+        ended = raised
+        outcome = Outcome("interrupted", raised, None, saved[-1] if saved else progress, ctx)
+    except BaseException as raised:  # noqa: B036 - as the scheduler does: every ending is an outcome
+        ended = raised
+        outcome = Outcome("failed", raised, None, saved[-1] if saved else progress, ctx)
     else:
         outcome = Outcome("success", None, result, saved[-1] if saved else progress, ctx)
+    finally:
+        _settle(taken, ended)
     if timer is not None:
         timer.cancel()
         if ctx.signal.reason is timed_out:
             return Outcome("failed", timed_out, None, outcome.progress, ctx)
     return outcome
+
+
+def _savepoints() -> list[tuple[Any, Any]]:
+    """A savepoint on each of this thread's connections that is inside a transaction (a test's)."""
+    return [(c, c.savepoint()) for c in connections.all(initialized_only=True) if c.in_atomic_block]
+
+
+def _settle(taken: list[tuple[Any, Any]], error: BaseException | None) -> None:
+    """After the handler: keep its writes, unless a database error left the transaction unusable.
+
+    In the scheduler a handler runs in autocommit, and a failed query spoils nothing after it.
+    Inside a test's transaction it would (PostgreSQL refuses every later query; Django's
+    ``atomic`` marks the block for rollback): the handler's writes are rolled back to where it
+    began, so that the test can query on and look at the outcome.
+    """
+    for connection, savepoint in taken:
+        if not connection.needs_rollback and not isinstance(error, DatabaseError):
+            try:
+                connection.savepoint_commit(savepoint)
+                continue
+            except DatabaseError:  # a failed query the handler caught and swallowed (PostgreSQL)
+                pass
+        connection.needs_rollback = False
+        connection.savepoint_rollback(savepoint)
 
 
 async def _await(awaitable: Any) -> Any:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import IntegrityError
 from django.test import TestCase
 
 from django_anarchon import AnarchonError, Context, Interrupted, Scheduler
@@ -32,7 +34,30 @@ def scheduler_with_jobs() -> Scheduler:
     scheduler.every("async-writer", "1h", write_row_async)
     scheduler.every("broken", "1h", lambda ctx: 1 / 0)
     scheduler.every("stopped", "1h", lambda ctx: ctx.signal.throw_if_aborted())
+    scheduler.every("duplicate", "1h", write_twice)
+    scheduler.every("swallowed", "1h", write_twice_quietly)
+    scheduler.every("writes-then-fails", "1h", write_then_fail)
     return scheduler
+
+
+def _execution(pk: int) -> Execution:
+    return Execution(pk=pk, job="dup", slot=1, attempt=1, reason="x", instance_id="", pid=0, event="e", at=0.0)
+
+
+def write_twice(ctx: Context) -> None:
+    _execution(7).save(force_insert=True)
+    _execution(7).save(force_insert=True)  # IntegrityError: the same primary key
+
+
+def write_twice_quietly(ctx: Context) -> None:
+    _execution(8).save(force_insert=True)
+    with contextlib.suppress(IntegrityError):
+        _execution(8).save(force_insert=True)
+
+
+def write_then_fail(ctx: Context) -> None:
+    _execution(9).save(force_insert=True)
+    raise ValueError("after the row was written")
 
 
 @pytest.mark.django_db
@@ -130,3 +155,20 @@ class InDjangoTestCase(TestCase):
 
     def test_the_next_test_still_has_its_connection(self) -> None:
         self.assertEqual(Execution.objects.count(), 0)
+
+    def test_a_handlers_database_error_leaves_the_test_able_to_query(self) -> None:
+        """It raised TransactionManagementError at the test's next query (helper 29): the handler's
+        writes are rolled back to where it began when a database error spoiled the transaction."""
+        Execution.objects.create(job="mine", slot=1, attempt=1, reason="x", instance_id="", pid=0, event="e", at=0.0)
+        outcome = run_job("duplicate", scheduler=scheduler_with_jobs())
+        self.assertEqual(outcome.status, "failed")
+        self.assertIsInstance(outcome.error, IntegrityError)
+        self.assertEqual(list(Execution.objects.values_list("job", flat=True)), ["mine"])
+        quiet = run_job("swallowed", scheduler=scheduler_with_jobs())  # caught the error and returned
+        self.assertEqual(quiet.status, "success")
+        self.assertEqual(list(Execution.objects.values_list("job", flat=True)), ["mine"])
+
+    def test_writes_before_an_error_that_is_not_the_databases_are_kept_as_in_the_scheduler(self) -> None:
+        outcome = run_job("writes-then-fails", scheduler=scheduler_with_jobs())
+        self.assertEqual((outcome.status, str(outcome.error)), ("failed", "after the row was written"))
+        self.assertEqual(list(Execution.objects.values_list("pk", flat=True)), [9])
