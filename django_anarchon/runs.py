@@ -373,6 +373,8 @@ class RunTable:
         active.abort("lost", Interrupted(f"this instance no longer holds the run: {why}"))
         active.done()
         run = active.run
+        # Ended here, and recorded interrupted by whoever took it over or replaced it.
+        metrics.RUNS.labels(run.job, Status.INTERRUPTED).inc()
         logger.warning(
             "Lost %s slot=%s attempt=%d: %s",
             run.job,
@@ -418,6 +420,7 @@ class RunTable:
         active.done()
         run = active.run
         metrics.FENCINGS.labels(run.job).inc()
+        metrics.RUNS.labels(run.job, Status.INTERRUPTED).inc()  # as the backup that takes it over records it
         logger.warning(
             "Fenced %s slot=%s attempt=%d: no lease renewal for %.1fs",
             run.job,

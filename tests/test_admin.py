@@ -508,6 +508,9 @@ def test_cancel_pending_runs_needs_its_permission_skips_them_and_logs_who(django
     viewer.post(url("run_changelist"), {"action": "cancel", "_selected_action": [waiting.pk], "index": "0"})
     assert Run.objects.get(pk=waiting.pk).status == Status.PENDING, "no permission, no change"
 
+    from django_anarchon import metrics
+
+    counted = metrics.SKIPPED.labels(waiting.job, "cancelled").get()
     canceller = staff_client(django_user_model, "cancel_run", username="oncall")
     page = canceller.get(url("run_changelist"))
     assert page.status_code == 200 and 'value="cancel"' in text(page), "the cancel permission shows the history"
@@ -524,6 +527,8 @@ def test_cancel_pending_runs_needs_its_permission_skips_them_and_logs_who(django
     assert Run.objects.get(pk=running.pk).status == Status.RUNNING
     [entry] = LogEntry.objects.filter(object_id=str(waiting.pk))
     assert entry.user.get_username() == "oncall" and "cancelled by oncall" in entry.get_change_message()
+    # anarchon_slots_skipped_total{reason="cancelled"}, in the process that cancelled (helper 29)
+    assert metrics.SKIPPED.labels(waiting.job, "cancelled").get() == counted + 1
 
 
 def test_cancel_with_select_all_reads_only_the_pending_runs(admin_client: Client, monkeypatch: Any) -> None:

@@ -216,3 +216,22 @@ def test_a_run_added_after_stop_is_aborted_at_once() -> None:
     for active in (before, after):
         assert active.signal.aborted and active.cause == "stop", active.run.id
     assert not after.begin_start(), "aborted before its start: its handler is never called"
+
+
+def test_attempts_lost_or_fenced_here_count_as_interrupted_runs_ended_on_this_instance() -> None:
+    """``anarchon_runs_total`` counts the attempts ended here by recorded status; one replaced, taken
+    over or fenced is recorded interrupted by another, and was not counted at all (helper 29)."""
+    from django_anarchon import metrics
+
+    table = table_with()
+    lost, fenced = held(table, 71), held(table, 72)
+
+    def interrupted(active: ActiveRun) -> float:
+        return metrics.RUNS.labels(active.run.job, "interrupted").get()
+
+    before = interrupted(lost), interrupted(fenced)
+    table.lose(lost, "replaced by a newer slot")
+    table.lose(lost, "again")  # ended once, counted once
+    fenced.renewed_at = time.monotonic() - 60
+    table.fence_if_overdue(fenced)
+    assert (interrupted(lost), interrupted(fenced)) == (before[0] + 1, before[1] + 1)

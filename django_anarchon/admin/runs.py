@@ -17,7 +17,7 @@ from django.utils.translation import gettext_lazy as _
 
 import django_anarchon
 
-from .. import store
+from .. import metrics, store
 from ..exceptions import UnknownJobError
 from ..models import JobState, Run, Status
 from .display import ReadOnlyAdmin, declared_job, format_seconds, moment_column, pretty_json, status_badge
@@ -148,6 +148,7 @@ class RunAdmin(ReadOnlyAdmin):
         cancelled = store.cancel_pending(pending, detail)
         for run in cancelled:
             self.log_change(request, run, detail)
+            metrics.SKIPPED.labels(run.job, "cancelled").inc()  # counted by the process that cancels
         if cancelled:
             message = ngettext("Cancelled %(count)d pending run.", "Cancelled %(count)d pending runs.", len(cancelled))
             self.message_user(request, message % {"count": len(cancelled)}, messages.SUCCESS)
