@@ -132,6 +132,20 @@ def test_the_command_refuses_to_start_on_a_database_that_lacks_the_migrations(cl
     assert "run `python manage.py migrate` first" in result.stderr
 
 
+def test_list_says_so_when_it_cannot_read_the_database(cluster: Cluster, tmp_path: Path) -> None:
+    """It listed every job as not paused, by this host's clock, exiting 0 without a word (helper 29)."""
+    from django.db import connection
+
+    if connection.vendor != "sqlite":
+        pytest.skip("one database is enough to show it: a fresh SQLite file stands for an unreadable database")
+    cluster.jobs = [{"name": "tick", "every": "1h", "kind": "record"}]
+    result = cluster.manage("anarchon", "--list", extra_env={"ANARCHON_TEST_DB_NAME": str(tmp_path / "none.sqlite3")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("tick") and "every 1h" in result.stdout
+    assert "Could not read the database (OperationalError: no such table" in result.stderr
+    assert "paused jobs are not marked PAUSED" in result.stderr
+
+
 def test_verbosity_2_turns_on_debug_logging(cluster: Cluster) -> None:
     cluster.jobs = [{"name": "x", "every": ON_DEMAND}]
     quiet = cluster.manage("anarchon", "--run", "x")

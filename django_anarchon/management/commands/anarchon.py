@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from argparse import ArgumentParser, ArgumentTypeError
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -164,8 +165,18 @@ class Command(BaseCommand):
         if not jobs:
             self.stdout.write("No jobs are declared. Add a jobs.py to an installed app.")
             return
-        now = int(self._now().timestamp() * 1000)
-        paused = self._paused_names()
+        try:
+            from django_anarchon import store
+
+            now = int(store.database_time().timestamp() * 1000)
+            paused = self._paused_names()
+        except DatabaseError as error:
+            # Still worth listing (schedules, next due times), but not as if all were known.
+            now, paused = int(time.time() * 1000), set()
+            self.stderr.write(
+                f"Could not read the database ({type(error).__name__}: {str(error).strip()}): "
+                "next due times are by this host's clock, and paused jobs are not marked PAUSED."
+            )
         width = max(len(j.name) for j in jobs)
         schedule_width = max(len(j.schedule.describe()) for j in jobs)
         for job in jobs:
@@ -186,16 +197,6 @@ class Command(BaseCommand):
                 f"next {_when(due)} UTC{local}  " + " ".join(flags)
             )
 
-    @staticmethod
-    def _now() -> datetime:
-        """The database's clock, which slots follow (this host's may be off); this host's if unreachable."""
-        from django_anarchon import store
-
-        try:
-            return store.database_time()
-        except DatabaseError:
-            return datetime.now(timezone.utc)
-
     def _check_health(self, instance_id: str | None) -> None:
         from django_anarchon.health import check_health
 
@@ -207,10 +208,7 @@ class Command(BaseCommand):
     def _paused_names(self) -> set[str]:
         from django_anarchon.models import JobState
 
-        try:
-            return set(JobState.objects.filter(paused=True).values_list("name", flat=True))
-        except DatabaseError:
-            return set()
+        return set(JobState.objects.filter(paused=True).values_list("name", flat=True))
 
     def _run_one(self, name: str, data: Any, instance_id: str | None) -> None:
         with _stopped_by_signals() as stop:
