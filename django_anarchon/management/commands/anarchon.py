@@ -21,6 +21,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 from django_anarchon import scheduler
+from django_anarchon.dbtrouble import reset_connection
 from django_anarchon.exceptions import AnarchonError
 from django_anarchon.taskjobs import task_name
 
@@ -113,18 +114,8 @@ class Command(BaseCommand):
         if options["check"]:
             self._check_health(options["instance_id"])
             return
-        from django_anarchon import store
-
-        # Checks that need the database (e.g. the MySQL session time zone) run only on request.
-        # An instance started during a database outage does not crash: it says so and the
-        # scheduler retries until the database is back (those checks run on the next start).
-        try:
-            self.check(databases=[store.alias()], tags=[Tags.database])
-            _refuse_unapplied_migrations(store.alias())
-        except DatabaseError as error:
-            logging.getLogger("django_anarchon").warning(
-                "Database unreachable at start (%s); skipped the checks that need it, retrying", error
-            )
+        if not self._checked_once_reachable():
+            return  # stopped while waiting for the database
         if options["run"]:
             self._run_one(options["run"], options["data"], options["instance_id"])
             return
@@ -138,6 +129,42 @@ class Command(BaseCommand):
             except (AnarchonError, OSError) as error:
                 raise CommandError(f"--metrics-port: {error}") from None
         self._serve(options["instance_id"])
+
+    def _checked_once_reachable(self) -> bool:
+        """Run the checks that need the database (e.g. the MySQL session time zone, the migrations).
+
+        An instance started during a database outage does not crash: it says so, and waits for
+        the database (retrying with backoff) to run them before it schedules anything, so that a
+        database it must refuse is refused then. False if it was stopped while waiting.
+        """
+        from django_anarchon import store
+
+        log = logging.getLogger("django_anarchon")
+        delay, waited_since = START_RETRY_S, None
+        with _stopped_by_signals() as stop:
+            while True:
+                try:
+                    self.check(databases=[store.alias()], tags=[Tags.database])
+                    _refuse_unapplied_migrations(store.alias())
+                except DatabaseError as error:
+                    if waited_since is None:
+                        waited_since = time.monotonic()
+                        log.warning(
+                            "Database unreachable at start (%s); waiting for it to run the checks that need it "
+                            "before scheduling anything",
+                            str(error).strip(),
+                        )
+                    reset_connection(store.alias())
+                    if stop.wait(delay):
+                        return False
+                    delay = min(2 * delay, START_RETRY_MAX_S)
+                    continue
+                if waited_since is not None:
+                    log.warning(
+                        "Database reachable after %.1fs; its checks passed, starting",
+                        time.monotonic() - waited_since,
+                    )
+                return True
 
     def _configure_logging(self, verbosity: int) -> None:
         """Log to stderr unless the project's LOGGING already handles ``django_anarchon``.
@@ -244,6 +271,11 @@ class Command(BaseCommand):
                 # handler's sync_to_async), so leave without waiting.
                 log.warning("Exiting without waiting for handlers that did not end within the grace period")
                 _flush_and_exit(0)
+
+
+# Waiting for an unreachable database at start: the first retry, and the longest wait between two.
+START_RETRY_S = 0.5
+START_RETRY_MAX_S = 5.0
 
 
 @contextlib.contextmanager
