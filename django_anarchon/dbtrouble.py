@@ -1,8 +1,9 @@
 """What every scheduler thread does when the database fails it: reset the connection, log once, back off.
 
 The loop, the lease keeper, the recorder and the listener each have one
-:class:`DbTrouble`. An outage is logged when it starts and again when the
-thread has gone a whole turn without a database error, never per retry; the
+:class:`DbTrouble`. An outage is logged once per instance (:class:`_Outage`), when
+the first of its threads meets it and when the last of them has gone a whole turn
+without a database error, never per retry or per thread; the
 back-off doubles from 0.1 s, with jitter, up to two seconds (a slot a second is
 the common case: the loop is claiming again within about two seconds of the
 database's return, and one query every two seconds per thread and instance is
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -60,6 +63,34 @@ def drop_connection(connection: Any) -> None:
         connection.connection = None
 
 
+# A thread's first error within this long after an outage ended is most likely a connection that
+# died with it (used again only now): logged as part of no new outage unless it goes on this long.
+AFTERSHOCK_S = 10.0
+# A thread still marked down whose last error is this old has gone idle (a keeper with no run to
+# renew): it does not hold back the end of the outage the others have seen end.
+STALE_S = 5.0
+
+
+class _Outage:
+    """One instance's outage as its log tells it: one line when it starts, one when it ends."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # monotonic time the first thread met it
+        self.loud = False  # its start was logged (WARNING): its end will be too
+        self.ended_at: float | None = None
+        self.down: weakref.WeakSet[DbTrouble] = weakref.WeakSet()  # the threads still meeting it
+
+
+_outages: dict[str, _Outage] = {}
+_outages_lock = threading.Lock()
+
+
+def forget_outage(instance_id: str) -> None:
+    """Start ``instance_id``'s outage log afresh (an engine of that name is starting)."""
+    with _outages_lock:
+        _outages.pop(instance_id, None)
+
+
 class DbTrouble:
     """One thread's database-error policy: ``call`` store functions, ``end_turn`` after each turn."""
 
@@ -69,6 +100,7 @@ class DbTrouble:
         self._alias = alias
         self.backoff = 0.0
         self.down_since: float | None = None
+        self.last_error_at = 0.0  # monotonic time of its last database error
         self._failed_this_turn = False
 
     def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -100,16 +132,30 @@ class DbTrouble:
         _errors_seen += 1
         reset_connection(self._alias())
         self._failed_this_turn = True
+        now = time.monotonic()
+        self.last_error_at = now
         if self.down_since is None:
-            self.down_since = time.monotonic()
-            logger.warning(
-                "Database error on %s in %s (%s: %s); retrying with backoff",
-                self.instance_id,
-                self.what,
-                type(error).__name__,
-                error,
-                extra={"instance": self.instance_id},
-            )
+            self.down_since = now
+        with _outages_lock:
+            outage = _outages.setdefault(self.instance_id, _Outage())
+            outage.down.add(self)
+            if outage.since is None:
+                outage.since = now
+                outage.loud = outage.ended_at is None or now - outage.ended_at >= AFTERSHOCK_S
+                say = outage.loud
+            elif not outage.loud and now - outage.since >= AFTERSHOCK_S:
+                outage.loud = say = True  # not an aftershock after all
+            else:
+                say = False
+        logger.log(
+            logging.WARNING if say else logging.DEBUG,
+            "Database error on %s in %s (%s: %s); retrying with backoff",
+            self.instance_id,
+            self.what,
+            type(error).__name__,
+            error,
+            extra={"instance": self.instance_id},
+        )
 
     def end_turn(self) -> None:
         """A turn is over: back off further if it failed, else say the database is back (once)."""
@@ -117,13 +163,31 @@ class DbTrouble:
             self.backoff = min(max(0.1, self.backoff * 2), MAX_BACKOFF_S) * random.uniform(0.8, 1.2)  # noqa: S311
         else:
             if self.down_since is not None:
-                logger.warning(
-                    "Database is back on %s for %s after %.1fs",
-                    self.instance_id,
-                    self.what,
-                    time.monotonic() - self.down_since,
-                    extra={"instance": self.instance_id},
-                )
                 self.down_since = None
+                self._recovered()
             self.backoff = 0.0
         self._failed_this_turn = False
+
+    def _recovered(self) -> None:
+        """This thread went a whole turn without an error: log the outage's end if it was the last one down."""
+        now = time.monotonic()
+        with _outages_lock:
+            outage = _outages.get(self.instance_id)
+            if outage is None or outage.since is None:
+                return
+            outage.down.discard(self)
+            for other in list(outage.down):
+                if now - other.last_error_at >= STALE_S:
+                    outage.down.discard(other)
+            if outage.down:
+                return  # other threads still meet it
+            since, loud = outage.since, outage.loud
+            outage.since, outage.loud, outage.ended_at = None, False, now
+        logger.log(
+            logging.WARNING if loud else logging.DEBUG,
+            "Database is back on %s (seen by %s) after %.1fs",
+            self.instance_id,
+            self.what,
+            now - since,
+            extra={"instance": self.instance_id},
+        )

@@ -46,7 +46,7 @@ from django.db import connections
 from . import metrics, signals, store
 from .clock import Clock, ClockEstimate, describe_offset
 from .conf import AnarchonSettings
-from .dbtrouble import FAILED, DbTrouble
+from .dbtrouble import FAILED, DbTrouble, forget_outage
 from .durations import format_ms
 from .keeper import Keeper
 from .listener import Listener, listening_available
@@ -123,6 +123,7 @@ class Engine:
         self._started = threading.Event()
         self.stopped = threading.Event()
         self.outbox = Outbox()
+        forget_outage(self.instance_id)  # a new start: what an earlier engine of this name met is its own
         self.recorder = Recorder(self.token, self.instance_id, settings.lease_ttl)
         self.table = RunTable(
             settings,

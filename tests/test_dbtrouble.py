@@ -16,7 +16,7 @@ def refused() -> None:
 
 
 def test_the_back_off_doubles_from_a_tenth_of_a_second_to_at_most_about_two(caplog: pytest.LogCaptureFixture) -> None:
-    trouble = DbTrouble("the scheduler loop", "i1", lambda: "default")
+    trouble = DbTrouble("the scheduler loop", "i1-backoff", lambda: "default")
     waits = []
     for _ in range(12):
         assert trouble.call(refused) is FAILED
@@ -29,7 +29,7 @@ def test_the_back_off_doubles_from_a_tenth_of_a_second_to_at_most_about_two(capl
     # A second-by-second scheduler is claiming again within ~2.5 s of the database's return.
     assert all(wait <= 2.0 * 1.2 for wait in waits), waits
     assert max(waits) >= 2.0 * 0.8, waits
-    assert caplog.text.count("Database error on i1 in the scheduler loop") == 1
+    assert caplog.text.count("Database error on i1-backoff in the scheduler loop") == 1
 
 
 def test_a_clean_turn_ends_the_outage_once_and_clears_the_back_off(caplog: pytest.LogCaptureFixture) -> None:
@@ -42,7 +42,7 @@ def test_a_clean_turn_ends_the_outage_once_and_clears_the_back_off(caplog: pytes
     trouble.end_turn()
     trouble.end_turn()
     assert trouble.backoff == 0.0 and trouble.down_since is None
-    assert caplog.text.count("Database is back on i1 for lease renewals") == 1
+    assert caplog.text.count("Database is back on i1 (seen by lease renewals)") == 1
 
 
 def test_a_call_the_database_was_slow_to_answer_is_logged(
@@ -59,3 +59,78 @@ def test_a_call_the_database_was_slow_to_answer_is_logged(
     assert trouble.call(lambda: time.sleep(0.1) or "late") == "late"
     [line] = [r.getMessage() for r in caplog.records]
     assert line.startswith("The database took 0.1s to answer the loop on slow-test"), line
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_an_outage_is_logged_once_per_instance_however_many_of_its_threads_meet_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each thread logged its own start and end: 3-4 lines at the start of one outage and 4 at its end
+    (helper 29). The first thread to meet it logs its start; the last to get through, its end."""
+    loop, keeper, recorder = (DbTrouble(what, "i-once", lambda: "default") for what in ("loop", "keeper", "recorder"))
+    for trouble in (loop, keeper, recorder, loop, keeper):
+        trouble.call(refused)
+        trouble.end_turn()
+    assert warnings(caplog) == ["Database error on i-once in loop (OperationalError: Can't connect to server); "
+                                "retrying with backoff"]  # fmt: skip
+    for trouble in (loop, keeper):
+        trouble.call(lambda: None)
+        trouble.end_turn()
+    assert len(warnings(caplog)) == 1, "the recorder still meets it"
+    recorder.call(lambda: None)
+    recorder.end_turn()
+    [_, back] = warnings(caplog)
+    assert back.startswith("Database is back on i-once (seen by recorder) after ")
+    # Another instance's outage is its own.
+    other = DbTrouble("loop", "i-other", lambda: "default")
+    other.call(refused)
+    assert warnings(caplog)[-1].startswith("Database error on i-other in loop")
+
+
+def test_a_thread_gone_idle_during_the_outage_does_not_hold_back_its_end(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django_anarchon import dbtrouble
+
+    monkeypatch.setattr(dbtrouble, "STALE_S", 0.05)
+    loop, keeper = DbTrouble("loop", "i-idle", lambda: "default"), DbTrouble("keeper", "i-idle", lambda: "default")
+    keeper.call(refused)  # and then no run left to renew: it asks nothing more
+    loop.call(refused)
+    time.sleep(0.1)
+    loop.call(refused)
+    loop.end_turn()
+    loop.call(lambda: None)
+    loop.end_turn()
+    assert warnings(caplog)[-1].startswith("Database is back on i-idle (seen by loop)")
+
+
+def test_a_dead_connection_met_just_after_the_outage_is_no_new_outage_unless_it_goes_on(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restart each thread's kept connection fails once, at its first use: the recorder's
+    could be the first time it met the outage, seconds after the loop had seen it end."""
+    from django_anarchon import dbtrouble
+
+    loop, recorder = (
+        DbTrouble("loop", "i-after", lambda: "default"),
+        DbTrouble("recorder", "i-after", lambda: "default"),
+    )
+    loop.call(refused)
+    loop.end_turn()
+    loop.end_turn()
+    assert len(warnings(caplog)) == 2  # the outage: its start, its end
+    recorder.call(refused)  # its connection died with the outage
+    recorder.end_turn()
+    recorder.end_turn()
+    assert len(warnings(caplog)) == 2, warnings(caplog)
+    monkeypatch.setattr(dbtrouble, "AFTERSHOCK_S", 0.05)
+    recorder.call(refused)
+    time.sleep(0.1)
+    recorder.call(refused)  # still failing past the aftershock window: an outage after all
+    recorder.end_turn()
+    recorder.end_turn()
+    assert [w.split(" (")[0] for w in warnings(caplog)[2:]] == ["Database error on i-after in recorder",
+                                                                  "Database is back on i-after"]  # fmt: skip
