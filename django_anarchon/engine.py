@@ -591,10 +591,9 @@ class Engine:
         now = self.clock.now_ms()
         catch_ups = []
         for job in self.jobs.values():
-            current = first_current(job.schedule, now, self.grace_ms)
-            until = job.schedule.latest_at_or_before(current - 1)
+            until = job.schedule.latest_at_or_before(first_current(job.schedule, now, self.grace_ms) - 1)
             if until is not None:
-                catch_ups.append(CatchUp(job, until, current=current if current <= now else None))
+                catch_ups.append(CatchUp(job, until))
         for start in range(0, len(catch_ups), CATCH_UP_BATCH):
             if self._decide(Batch(catch_ups=catch_ups[start : start + CATCH_UP_BATCH])) is FAILED:
                 return False

@@ -68,16 +68,11 @@ class CatchUp:
     meanwhile, those still undecided were overtaken, not missed by the
     cluster: they are recorded skipped (``BEHIND_DETAIL``), so that none goes
     unaccounted for.
-
-    ``current``: at start-up, the job's slot after ``until`` that is due already
-    and that this instance claims as scheduled next (it came back within that
-    slot's grace); None if there is none.
     """
 
     job: Job
     until: int
     since: int | None = None
-    current: int | None = None
 
 
 @dataclass

@@ -742,9 +742,7 @@ def test_an_unstorable_error_message_stalls_nothing(cluster: Cluster, events: Pa
 def test_catch_up_beyond_max_workers_runs_every_job_owed_a_slot_after_an_outage(cluster: Cluster) -> None:
     jobs = [f"w{n}" for n in range(5)]
     cluster.settings["MAX_WORKERS"] = 2
-    # overlap="queue": the catch-up runs however soon after a slot the instance comes back (under "skip"
-    # a slot still within the start-up grace is current, and runs instead of the catch-up).
-    cluster.jobs = [{"name": name, "every": "2s", "kind": "sleep", "seconds": 0.3, "overlap": "queue"} for name in jobs]
+    cluster.jobs = [{"name": name, "every": "2s", "kind": "sleep", "seconds": 0.3} for name in jobs]
     first = cluster.start("before")
     cluster.wait_ready(first)
     wait_for(

@@ -931,54 +931,6 @@ def test_catch_up_latest_runs_the_newest_missed_slot_and_records_the_rest() -> N
     assert JobState.objects.get(name="job").missed_count == 4
 
 
-@pytest.mark.parametrize("overlap", ["skip", "replace"])
-def test_catch_up_latest_gives_way_to_the_current_slot_decided_with_it(overlap: str) -> None:
-    """An instance back within a slot's grace claims it as current in the same batch as the catch-up.
-    The catch-up of an older slot ran first and the current slot was skipped, "still running" (or
-    replaced the catch-up at once): after a restart the newest slot lost to an older one (helper 29,
-    5 of 6 restarts). Under catch_up="latest" the current slot is the most recent: it runs, and the
-    missed ones are recorded."""
-    job = make_job(every="10s", overlap=overlap)
-    _ran(job, SLOT)
-    current = SLOT + 60_000
-    outcome = decide([store.Claim(job, current)], [store.CatchUp(job, until=SLOT + 50_000)], now_ms=current + 300)
-    assert [(r.slot, r.reason) for r in outcome.won] == [(current, "scheduled")]
-    assert outcome.skipped == [] and outcome.interrupted == []
-    [missed] = outcome.missed
-    assert missed.slot == SLOT + 50_000 and missed.detail.startswith("5 slot(s) missed from ")
-    assert "superseded by the current slot" in missed.detail
-    assert JobState.objects.get(name="job").missed_count == 5
-    assert not Run.objects.filter(reason="catch-up").exists()
-
-
-def test_at_start_up_catch_up_latest_gives_way_to_the_current_slot_the_instance_claims_next() -> None:
-    """At start-up the catch-ups are decided before the first claim; the current slot comes with them."""
-    job = make_job(every="10s")
-    _ran(job, SLOT)
-    current = SLOT + 60_000
-    outcome = decide([], [store.CatchUp(job, until=SLOT + 50_000, current=current)])
-    assert outcome.won == [] and [m.slot for m in outcome.missed] == [SLOT + 50_000]
-    assert "superseded by the current slot" in outcome.missed[0].detail
-    [run] = decide([store.Claim(job, current)]).won
-    assert (run.slot, run.reason) == (current, "scheduled")
-
-
-@pytest.mark.parametrize(
-    ("options", "ahead_ms"),
-    [({"overlap": "queue"}, 0), ({"overlap": "allow"}, 0), ({"catch_up": "all"}, 0), ({}, 500)],
-    ids=["queue", "allow", "all", "current-slot-not-due-yet"],
-)
-def test_the_catch_up_still_runs_where_the_current_slot_does_not_supersede_it(
-    options: dict[str, str], ahead_ms: int
-) -> None:
-    """Queue and allow run both; "all" owes every slot a run; a slot claimed ahead may run after it."""
-    job = make_job(every="10s", **options)
-    _ran(job, SLOT)
-    current = SLOT + 60_000
-    decide([store.Claim(job, current)], [store.CatchUp(job, until=SLOT + 50_000)], now_ms=current - ahead_ms)
-    assert Run.objects.filter(reason="catch-up").exists()
-
-
 @pytest.mark.parametrize("catch_up", ["latest", "all", "none"])
 def test_instances_back_together_catch_up_once_though_they_disagree_about_the_current_slot(catch_up: str) -> None:
     # Real slots: what decides is whether a slot was due when the catch-up was recorded.

@@ -181,7 +181,7 @@ def _decide(
         all_claims = list(claims)
         missed: list[_Missed] = []
         if catch_ups:
-            extra, missed = _expand_catch_ups(catch_ups, states, owner, instance_id, later, _due_now(claims, now_ms))
+            extra, missed = _expand_catch_ups(catch_ups, states, owner, instance_id, later)
             all_claims = extra + all_claims
         slots = sorted({c.slot for c in all_claims})
         # One query for both "what is each job doing" and "was this slot decided".
@@ -351,24 +351,12 @@ def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
     return Status.RUNNING, ""
 
 
-def _due_now(claims: Sequence[Claim], now_ms: int | None) -> dict[str, int]:
-    """Each job's newest current slot among ``claims`` that is due already (by ``now_ms``; none if None)."""
-    due: dict[str, int] = {}
-    if now_ms is None:
-        return due
-    for claim in claims:
-        if claim.reason == Reason.SCHEDULED and not claim.shed and not claim.wait and claim.slot <= now_ms:
-            due[claim.job.name] = max(claim.slot, due.get(claim.job.name, claim.slot))
-    return due
-
-
 def _expand_catch_ups(
     catch_ups: Sequence[CatchUp],
     states: dict[str, statements.Locked],
     owner: str,
     instance_id: str,
     later: list[Callable[[], None]],
-    due_now: dict[str, int] | None = None,
 ) -> tuple[list[Claim], list[_Missed]]:
     """Turn windows of possibly missed slots into catch-up claims and ``missed`` records.
 
@@ -386,14 +374,6 @@ def _expand_catch_ups(
     a catch-up (a catch-up run or a ``missed`` record created after the slot),
     is claimed as scheduled here too: whichever instance decides the slot,
     there is one catch-up for the outage and one record for the slot.
-
-    ``due_now``: each job's current slot decided in the same batch and due
-    already (an instance that fell behind, or came back within that slot's
-    grace: at start-up it comes as the catch-up's ``current``). Under
-    ``catch_up="latest"`` and ``overlap`` ``"skip"`` or ``"replace"`` that slot
-    is the most recent one and runs: a catch-up of an older slot would have it
-    skipped (or replace the catch-up at once), so the missed slots are all
-    recorded missed, "superseded by the current slot".
     """
     names = [c.job.name for c in catch_ups]
     newest = statements.newest_scheduled(names)
@@ -452,15 +432,6 @@ def _expand_catch_ups(
             claims.append(Claim(job, catch_up.until))
             continue
         limit = {"latest": 1, "all": CATCH_UP_LIMIT, "none": 0}[job.catch_up]
-        current = max((s for s in ((due_now or {}).get(job.name), catch_up.current) if s is not None), default=None)
-        superseded = (
-            job.catch_up == "latest"
-            and job.overlap in ("skip", "replace")
-            and current is not None
-            and current > catch_up.until
-        )
-        if superseded:
-            limit = 0
         # One slot more than we may run, so that the newest one not run is known.
         recent, count = job.schedule.slots_between(floor, catch_up.until, limit + 1)
         if count == 0:
@@ -491,8 +462,6 @@ def _expand_catch_ups(
                 f"{not_run} slot(s) missed from {_iso(first)} to {_iso(newest_not_run)} while no instance "
                 f"ran them; catch_up={job.catch_up!r}"
             )
-            if superseded and current is not None:
-                detail += f", superseded by the current slot {_iso(current)} (run as scheduled)"
             missed.append(_missed(job.name, newest_not_run, not_run, detail, owner=owner, instance_id=instance_id))
     return claims, missed
 
