@@ -2,8 +2,8 @@
 
 The loop, the lease keeper, the recorder and the listener each have one
 :class:`DbTrouble`. An outage is logged once per instance (:class:`_Outage`), when
-the first of its threads meets it and when the last of them has gone a whole turn
-without a database error, never per retry or per thread; the
+the first of its threads meets it and when one gets through after its latest error
+(see ``STALE_S``), never per retry or per thread; the
 back-off doubles from 0.1 s, with jitter, up to two seconds (a slot a second is
 the common case: the loop is claiming again within about two seconds of the
 database's return, and one query every two seconds per thread and instance is
@@ -16,7 +16,6 @@ import logging
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -66,8 +65,9 @@ def drop_connection(connection: Any) -> None:
 # A thread's first error within this long after an outage ended is most likely a connection that
 # died with it (used again only now): logged as part of no new outage unless it goes on this long.
 AFTERSHOCK_S = 10.0
-# A thread still marked down whose last error is this old has gone idle (a keeper with no run to
-# renew): it does not hold back the end of the outage the others have seen end.
+# An outage has ended once a thread gets through after meeting its latest error, or once a thread
+# gets through and no thread has met an error for this long (the one that met the latest may have
+# gone idle: a keeper with no run left to renew asks nothing more).
 STALE_S = 5.0
 
 
@@ -78,7 +78,7 @@ class _Outage:
         self.since: float | None = None  # monotonic time the first thread met it
         self.loud = False  # its start was logged (WARNING): its end will be too
         self.ended_at: float | None = None
-        self.down: weakref.WeakSet[DbTrouble] = weakref.WeakSet()  # the threads still meeting it
+        self.last_error_at = 0.0  # monotonic time any thread last met it
 
 
 _outages: dict[str, _Outage] = {}
@@ -138,7 +138,7 @@ class DbTrouble:
             self.down_since = now
         with _outages_lock:
             outage = _outages.setdefault(self.instance_id, _Outage())
-            outage.down.add(self)
+            outage.last_error_at = now
             if outage.since is None:
                 outage.since = now
                 outage.loud = outage.ended_at is None or now - outage.ended_at >= AFTERSHOCK_S
@@ -162,25 +162,22 @@ class DbTrouble:
         if self._failed_this_turn:
             self.backoff = min(max(0.1, self.backoff * 2), MAX_BACKOFF_S) * random.uniform(0.8, 1.2)  # noqa: S311
         else:
-            if self.down_since is not None:
-                self.down_since = None
+            self.down_since = None
+            outage = _outages.get(self.instance_id)
+            if outage is not None and outage.since is not None:
                 self._recovered()
             self.backoff = 0.0
         self._failed_this_turn = False
 
     def _recovered(self) -> None:
-        """This thread went a whole turn without an error: log the outage's end if it was the last one down."""
+        """This thread went a whole turn without an error: log the outage's end if it is over (see ``STALE_S``)."""
         now = time.monotonic()
         with _outages_lock:
             outage = _outages.get(self.instance_id)
             if outage is None or outage.since is None:
                 return
-            outage.down.discard(self)
-            for other in list(outage.down):
-                if now - other.last_error_at >= STALE_S:
-                    outage.down.discard(other)
-            if outage.down:
-                return  # other threads still meet it
+            if outage.last_error_at > self.last_error_at and now - outage.last_error_at < STALE_S:
+                return  # another thread met it after this one did, a moment ago: it may still be meeting it
             since, loud = outage.since, outage.loud
             outage.since, outage.loud, outage.ended_at = None, False, now
         logger.log(

@@ -69,42 +69,50 @@ def test_an_outage_is_logged_once_per_instance_however_many_of_its_threads_meet_
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Each thread logged its own start and end: 3-4 lines at the start of one outage and 4 at its end
-    (helper 29). The first thread to meet it logs its start; the last to get through, its end."""
+    (helper 29). The first thread to meet it logs its start; its end is logged once a thread gets
+    through after meeting its latest error."""
     loop, keeper, recorder = (DbTrouble(what, "i-once", lambda: "default") for what in ("loop", "keeper", "recorder"))
-    for trouble in (loop, keeper, recorder, loop, keeper):
+    for trouble in (loop, recorder, loop, keeper):
         trouble.call(refused)
         trouble.end_turn()
     assert warnings(caplog) == ["Database error on i-once in loop (OperationalError: Can't connect to server); "
                                 "retrying with backoff"]  # fmt: skip
-    for trouble in (loop, keeper):
-        trouble.call(lambda: None)
-        trouble.end_turn()
-    assert len(warnings(caplog)) == 1, "the recorder still meets it"
+    loop.call(lambda: None)
+    loop.end_turn()
+    assert len(warnings(caplog)) == 1, "the keeper met it after the loop's last error: it may still meet it"
+    keeper.call(lambda: None)
+    keeper.end_turn()
+    [_, back] = warnings(caplog)
+    assert back.startswith("Database is back on i-once (seen by keeper) after ")
     recorder.call(lambda: None)
     recorder.end_turn()
-    [_, back] = warnings(caplog)
-    assert back.startswith("Database is back on i-once (seen by recorder) after ")
+    assert len(warnings(caplog)) == 2, "ended once"
     # Another instance's outage is its own.
     other = DbTrouble("loop", "i-other", lambda: "default")
     other.call(refused)
     assert warnings(caplog)[-1].startswith("Database error on i-other in loop")
 
 
-def test_a_thread_gone_idle_during_the_outage_does_not_hold_back_its_end(
+def test_a_thread_gone_idle_during_the_outage_holds_back_neither_its_end_nor_the_next_one(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The keeper met the outage last and then had no run left to renew: it asks nothing more. Its
+    end was never logged, and the next outage was logged at DEBUG only (helper 31)."""
     from django_anarchon import dbtrouble
 
     monkeypatch.setattr(dbtrouble, "STALE_S", 0.05)
+    monkeypatch.setattr(dbtrouble, "AFTERSHOCK_S", 0.0)
     loop, keeper = DbTrouble("loop", "i-idle", lambda: "default"), DbTrouble("keeper", "i-idle", lambda: "default")
-    keeper.call(refused)  # and then no run left to renew: it asks nothing more
-    loop.call(refused)
-    time.sleep(0.1)
     loop.call(refused)
     loop.end_turn()
-    loop.call(lambda: None)
+    keeper.call(refused)  # and then nothing more to renew
+    loop.end_turn()
+    assert len(warnings(caplog)) == 1, "the keeper met it a moment ago"
+    time.sleep(0.1)
     loop.end_turn()
     assert warnings(caplog)[-1].startswith("Database is back on i-idle (seen by loop)")
+    loop.call(refused)  # the next outage
+    assert warnings(caplog)[-1].startswith("Database error on i-idle in loop")
 
 
 def test_a_dead_connection_met_just_after_the_outage_is_no_new_outage_unless_it_goes_on(
