@@ -180,6 +180,20 @@ def test_an_instance_stopped_while_it_waits_for_the_database_exits_0(cluster: Cl
     assert instance.process.returncode == 0, instance.output()
 
 
+def test_run_with_the_database_unreachable_fails_at_once(cluster: Cluster, tmp_path: Path) -> None:
+    """A one-off command waited for ever, and exited 0 with nothing run when stopped (helper 31)."""
+    from django.db import connection
+
+    if connection.vendor != "sqlite":
+        pytest.skip("one database is enough to show it: a SQLite file in a folder not yet made is unreachable")
+    cluster.jobs = [{"name": "x", "every": ON_DEMAND}]
+    result = cluster.manage(
+        "anarchon", "--run", "x", timeout=30, extra_env={"ANARCHON_TEST_DB_NAME": str(tmp_path / "no" / "db.sqlite3")}
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "the database is unreachable: unable to open database file" in result.stderr
+
+
 def test_verbosity_2_turns_on_debug_logging(cluster: Cluster) -> None:
     cluster.jobs = [{"name": "x", "every": ON_DEMAND}]
     quiet = cluster.manage("anarchon", "--run", "x")

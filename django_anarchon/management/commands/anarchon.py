@@ -114,7 +114,7 @@ class Command(BaseCommand):
         if options["check"]:
             self._check_health(options["instance_id"])
             return
-        if not self._checked_once_reachable():
+        if not self._checked_once_reachable(wait=not options["run"]):
             return  # stopped while waiting for the database
         if options["run"]:
             self._run_one(options["run"], options["data"], options["instance_id"])
@@ -130,12 +130,13 @@ class Command(BaseCommand):
                 raise CommandError(f"--metrics-port: {error}") from None
         self._serve(options["instance_id"])
 
-    def _checked_once_reachable(self) -> bool:
+    def _checked_once_reachable(self, *, wait: bool = True) -> bool:
         """Run the checks that need the database (e.g. the MySQL session time zone, the migrations).
 
         An instance started during a database outage does not crash: it says so, and waits for
         the database (retrying with backoff) to run them before it schedules anything, so that a
-        database it must refuse is refused then. False if it was stopped while waiting.
+        database it must refuse is refused then. False if it was stopped while waiting. Without
+        ``wait`` (``--run``, a one-off command), an unreachable database is an error at once.
         """
         from django_anarchon import store
 
@@ -147,6 +148,8 @@ class Command(BaseCommand):
                     self.check(databases=[store.alias()], tags=[Tags.database])
                     _refuse_unapplied_migrations(store.alias())
                 except DatabaseError as error:
+                    if not wait:
+                        raise CommandError(f"the database is unreachable: {str(error).strip()}") from None
                     if waited_since is None:
                         waited_since = time.monotonic()
                         log.warning(
