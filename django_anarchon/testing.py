@@ -180,6 +180,11 @@ def run_job(
             result = async_to_sync(handler)(ctx)
         else:
             result = handler(ctx)
+            if inspect.isgenerator(result) or inspect.isasyncgen(result):
+                raise TypeError(
+                    f"the handler of job {job.name!r} returned a generator, so none of its body ran; "
+                    "a handler must do its work when called (a plain def or async def, no 'yield')"
+                )
             if inspect.isawaitable(result):  # a callable object that returned a coroutine
                 result = async_to_sync(_await)(result)
     except Interrupted as raised:
@@ -220,7 +225,10 @@ def _settle(taken: list[tuple[Any, Any]], error: BaseException | None) -> None:
             except DatabaseError:  # a failed query the handler caught and swallowed (PostgreSQL)
                 pass
         connection.needs_rollback = False
-        connection.savepoint_rollback(savepoint)
+        try:
+            connection.savepoint_rollback(savepoint)
+        except DatabaseError:  # the connection itself was lost: the test meets that at its next query
+            connection.needs_rollback = True
 
 
 async def _await(awaitable: Any) -> Any:

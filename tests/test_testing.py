@@ -37,6 +37,7 @@ def scheduler_with_jobs() -> Scheduler:
     scheduler.every("duplicate", "1h", write_twice)
     scheduler.every("swallowed", "1h", write_twice_quietly)
     scheduler.every("writes-then-fails", "1h", write_then_fail)
+    scheduler.every("gives-a-generator", "1h", lambda ctx: (row for row in [ctx.slot]))
     return scheduler
 
 
@@ -172,3 +173,12 @@ class InDjangoTestCase(TestCase):
         outcome = run_job("writes-then-fails", scheduler=scheduler_with_jobs())
         self.assertEqual((outcome.status, str(outcome.error)), ("failed", "after the row was written"))
         self.assertEqual(list(Execution.objects.values_list("pk", flat=True)), [9])
+
+
+@pytest.mark.django_db
+def test_a_handler_returning_a_generator_fails_as_in_the_scheduler() -> None:
+    """The scheduler fails such a run (none of the generator's body ran); run_job called it a success
+    (helper 31)."""
+    outcome = run_job("gives-a-generator", scheduler=scheduler_with_jobs())
+    assert outcome.status == "failed" and isinstance(outcome.error, TypeError)
+    assert "returned a generator, so none of its body ran" in str(outcome.error)
