@@ -141,6 +141,9 @@ def run_job(
         data = job.data if job.has_data else get_settings().data
     else:
         job.refuse_data_for_dataless_task(data, "run_job")  # as run_now() and --run: not dropped
+    if slot is None and reason != "manual":
+        # What the scheduler would be running now: the job's newest slot (a manual run's is any instant).
+        slot = job.schedule.latest_at_or_before(int(time.time() * 1000))
     saved: list[Any] = []
     ctx = make_context(
         job.name,

@@ -182,3 +182,15 @@ def test_a_handler_returning_a_generator_fails_as_in_the_scheduler() -> None:
     outcome = run_job("gives-a-generator", scheduler=scheduler_with_jobs())
     assert outcome.status == "failed" and isinstance(outcome.error, TypeError)
     assert "returned a generator, so none of its body ran" in str(outcome.error)
+
+
+@pytest.mark.django_db
+def test_without_a_slot_the_run_is_the_jobs_newest_slot_as_the_schedulers_would_be() -> None:
+    """It was now to the millisecond, a slot the scheduler never gives a scheduled run (helper 29)."""
+    import time
+
+    before = int(time.time() * 1000)
+    scheduled = run_job("writer", scheduler=scheduler_with_jobs()).context
+    assert scheduled.slot % 3_600_000 == 0 and before - 3_600_000 < scheduled.slot <= before
+    manual = run_job("writer", reason="manual", scheduler=scheduler_with_jobs()).context
+    assert before <= manual.slot <= int(time.time() * 1000) and manual.manual
