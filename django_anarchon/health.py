@@ -8,6 +8,7 @@ offset of the instance's clock from the database's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -42,6 +43,15 @@ def unapplied_migrations(alias: str) -> list[str]:
     return [migration.name for migration, backwards in plan if migration.app_label == "django_anarchon"]
 
 
+def _absent_sqlite_file(alias: str) -> str | None:
+    """The path of ``alias``'s SQLite file if it is one that does not exist (else None)."""
+    settings = connections[alias].settings_dict
+    name = str(settings.get("NAME") or "")
+    if connections[alias].vendor != "sqlite" or not name or name == ":memory:" or name.startswith("file:"):
+        return None
+    return None if os.path.exists(name) else name
+
+
 def check_health(instance_id: str | None = None) -> Health:
     """Whether the cluster (or the instance ``instance_id``) is alive and well.
 
@@ -51,6 +61,9 @@ def check_health(instance_id: str | None = None) -> Health:
     database's when it last measured it.
     """
     alias = store.alias()
+    absent = _absent_sqlite_file(alias)
+    if absent is not None:  # connecting would make an empty one, and call it unmigrated
+        return Health(False, f"the SQLite database file {absent} does not exist")
     try:
         missing = unapplied_migrations(alias)
         if missing:

@@ -85,6 +85,18 @@ def test_the_check_command_answers_for_a_running_instance_and_fails_once_its_loo
     assert "unhealthy: no live instance: probed: no heartbeat for" in stopped.stderr
 
 
+def test_the_check_command_does_not_create_a_missing_sqlite_file(cluster: Cluster, tmp_path: Any) -> None:
+    """Connecting made an empty file, and the check then called it unmigrated (helper 29)."""
+    from django.db import connection
+
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite only: the other databases do not create a database on connecting")
+    missing = tmp_path / "missing.sqlite3"
+    result = cluster.manage("anarchon", "--check", extra_env={"ANARCHON_TEST_DB_NAME": str(missing)})
+    assert result.returncode == 1 and f"the SQLite database file {missing} does not exist" in result.stderr
+    assert not missing.exists()
+
+
 def test_the_django_health_check_plugin_reports_the_same() -> None:
     plugin = pytest.importorskip(
         "django_anarchon.contrib.health_check", reason="needs django-health-check (the test extra installs it)"
