@@ -587,6 +587,17 @@ class Engine:
             return False
         if self.trouble.call(store.register_instance, self.token, self.instance_id, self.host, self.pid) is FAILED:
             return False
+        others = self.trouble.call(store.namesakes, self.token, self.instance_id, 3 * self.settings.heartbeat_every + 1)
+        if others is not FAILED and others:
+            # Harmless to the claims (each instance has its own token), but the log, the admin, the
+            # metrics and `--check --instance-id` tell instances apart by this name.
+            logger.warning(
+                "Another live instance is named %r too (%s): give each its own (--instance-id or "
+                "ANARCHON['INSTANCE_ID']); the log, the admin, the metrics and --check tell instances apart by it",
+                self.instance_id,
+                ", ".join(f"host {host} pid {pid}" for host, pid in others),
+                extra={"instance": self.instance_id},
+            )
         self._measure_clock(samples=3)
         now = self.clock.now_ms()
         catch_ups = []

@@ -1560,3 +1560,21 @@ def test_a_takeover_recorded_with_no_room_starts_as_soon_as_a_handler_returns(sc
     assert Run.objects.get(pk=dead.pk).status == "interrupted" and second.reason == "takeover"
     waited = (second.started_at - released).total_seconds()
     assert waited < 1.0, f"attempt 2 started {waited:.2f}s after the worker came free (POLL_INTERVAL 5 s)"
+
+
+def test_an_instance_warns_when_another_live_one_has_its_name(
+    sched: Scheduler, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two processes could share one --instance-id without a word (helper 29): harmless to the claims
+    (tokens decide), but the log, the admin, the metrics and --check tell instances apart by it."""
+    now = store.database_time()
+    Instance.objects.create(token="t-gone", instance_id="engine-test", host="old-host", pid=7, started_at=now,
+                            last_heartbeat=now - timedelta(hours=1))  # fmt: skip
+    sched.every("tick", ON_DEMAND, lambda ctx: None)
+    start(sched)
+    assert "Another live instance is named" not in caplog.text, "one that stopped long ago is no namesake"
+    sched.stop(timeout=10)
+    Instance.objects.create(token="t-twin", instance_id="engine-test", host="twin-host", pid=42, started_at=now,
+                            last_heartbeat=store.database_time())  # fmt: skip
+    start(sched)
+    assert "Another live instance is named 'engine-test' too (host twin-host pid 42)" in caplog.text

@@ -115,6 +115,13 @@ def live_instances(within: float) -> list[str]:
     return statements.live_tokens(within)
 
 
+def namesakes(token: str, instance_id: str, within: float) -> list[tuple[str, int]]:
+    """The other live instances (heard from in the last ``within`` seconds) named ``instance_id``: (host, pid)."""
+    cutoff = ExpressionWrapper(DbNow() - timedelta(seconds=within), output_field=DateTimeField())
+    rows = Instance.objects.using(alias()).filter(instance_id=instance_id, last_heartbeat__gte=cutoff)
+    return list(rows.exclude(token=token).order_by("host", "pid").values_list("host", "pid"))
+
+
 def paused_among(names: Iterable[str]) -> set[str]:
     """Which of the jobs ``names`` are paused now (one SELECT, no lock)."""
     return statements.paused_among(sorted(names))
