@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import models, router
-from django.db.models.lookups import IContains
+from django.db.models.lookups import IContains, IEndsWith, IExact, IStartsWith
 from django.db.models.sql import Query
 from django.utils.translation import gettext_lazy as _
 
@@ -130,14 +130,22 @@ class JobNameField(models.CharField):
         return name, "django.db.models.CharField", args, kwargs
 
 
-@JobNameField.register_lookup
-class _CaseInsensitiveContains(IContains):
-    """``icontains`` (the admin's search) ignores case on MySQL too, whose LIKE follows the binary collation."""
+class _FoldingCase:
+    """A case-insensitive lookup that ignores case on MySQL too, whose LIKE follows the binary collation.
+
+    Both sides are lowered there; Django's own operators (``LIKE %s``, or the pattern for an
+    expression on the right) do the rest, so wildcards stay escaped.
+    """
 
     def as_mysql(self, compiler: Any, connection: Any) -> tuple[str, list[Any]]:
-        lhs, lhs_params = self.process_lhs(compiler, connection)
-        rhs, rhs_params = self.process_rhs(compiler, connection)
-        return f"LOWER({lhs}) LIKE LOWER({rhs})", [*lhs_params, *rhs_params]
+        lookup: Any = self
+        lhs, lhs_params = lookup.process_lhs(compiler, connection)
+        rhs, rhs_params = lookup.process_rhs(compiler, connection)
+        return f"LOWER({lhs}) {lookup.get_rhs_op(connection, f'LOWER({rhs})')}", [*lhs_params, *rhs_params]
+
+
+for _lookup in (IContains, IExact, IStartsWith, IEndsWith):
+    JobNameField.register_lookup(type(f"_Folding{_lookup.__name__}", (_FoldingCase, _lookup), {}))
 
 
 class RunQuerySet(models.QuerySet["Run"]):

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from django.db import connections
+from django.db.models import F
 from django.utils import timezone
 
 from django_anarchon import Scheduler, metrics, store
@@ -536,6 +537,14 @@ def test_job_names_are_searched_ignoring_case_on_every_database_though_compared_
     if connection.vendor != "sqlite":  # SQLite's LIKE folds ASCII letters only, for any Django model
         assert list(JobState.objects.filter(name__icontains="CAFÉ").values_list("name", flat=True)) == ["café"]
     assert list(JobState.objects.filter(name="SYNC")) == []  # equality stays exact
+    for lookup, value in (("iexact", "SYNC"), ("istartswith", "SY"), ("iendswith", "YNC")):
+        found = JobState.objects.filter(**{f"name__{lookup}": value}).values_list("name", flat=True)
+        assert sorted(found) == ["Sync", "sync"], lookup
+    # An expression on the right keeps the lookup's pattern ("contains", not "equals"; helper 31).
+    from django.db.models.functions import Substr, Upper
+
+    inner = JobState.objects.annotate(part=Upper(Substr("name", 2, 2))).filter(name__icontains=F("part"))
+    assert sorted(inner.values_list("name", flat=True)) == ["Sync", "café", "other", "sync"]
     assert not JobState.objects.filter(name__icontains="50%").exists()  # LIKE's wildcards still escaped
     # A table made from the models (a --no-migrations test database) gets the binary collation too.
     collation = JobNameField(max_length=200).db_parameters(connection).get("collation")
