@@ -150,6 +150,7 @@ class Scheduler(Declarations):
 
         from . import store
         from .engine import Engine
+        from .models import Status
 
         job = self.job(name)
         payload = self._run_data(job, data)
@@ -184,6 +185,19 @@ class Scheduler(Declarations):
                 if not waited:
                     waited = True
                     logger.info("Job %r is running elsewhere; waiting for that run to end", name)
+                    holder = store.orphaned_holder(name)
+                    if holder is not None:
+                        logger.warning(
+                            "Job %r is held by its run of slot %s (attempt %d, %s on %s) that only a running "
+                            "scheduler moves on (it takes over an expired lease, and runs a handed-over "
+                            "attempt): is `manage.py anarchon` running? Waiting",
+                            name,
+                            holder.slot,
+                            holder.attempt,
+                            "lease expired" if holder.status == Status.RUNNING else "handed over, pending",
+                            holder.instance_id or "no instance",
+                            extra={"job": name},
+                        )
                 if stop is None:
                     sleep(settings.poll_interval)
                 elif stop.wait(settings.poll_interval):

@@ -1578,3 +1578,20 @@ def test_an_instance_warns_when_another_live_one_has_its_name(
                             last_heartbeat=store.database_time())  # fmt: skip
     start(sched)
     assert "Another live instance is named 'engine-test' too (host twin-host pid 42)" in caplog.text
+
+
+def test_run_once_says_when_the_run_it_waits_for_needs_a_running_scheduler(
+    sched: Scheduler, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--run` waited behind a run whose instance had died, without a word about what would move it
+    on: only a running scheduler takes over an expired lease (helper 30)."""
+    sched.every("held", ON_DEMAND, lambda ctx: None)
+    past = store.database_time() - timedelta(minutes=5)
+    Run.objects.create(job="held", slot=1_000, attempt=1, status="running", reason="manual", manual=True,
+                       scheduled_at=past, started_at=past, lease_expires_at=past, owner="dead",
+                       instance_id="gone-1")  # fmt: skip
+    stop = threading.Event()
+    threading.Timer(1.5, stop.set).start()
+    assert sched.run_once("held", stop=stop) is None  # nothing claimed: stopped while it waited
+    assert "Job 'held' is held by its run of slot 1000 (attempt 1, lease expired on gone-1)" in caplog.text
+    assert "is `manage.py anarchon` running?" in caplog.text

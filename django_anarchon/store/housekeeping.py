@@ -13,7 +13,7 @@ from django.db import connections, transaction
 from django.db.models import DateTimeField, ExpressionWrapper, Q
 
 from ..dbtime import DbNow
-from ..models import Instance, JobState, Status
+from ..models import Instance, JobState, Run, Status
 from ..registry import Job
 from . import statements
 from .base import (
@@ -120,6 +120,18 @@ def namesakes(token: str, instance_id: str, within: float) -> list[tuple[str, in
     cutoff = ExpressionWrapper(DbNow() - timedelta(seconds=within), output_field=DateTimeField())
     rows = Instance.objects.using(alias()).filter(instance_id=instance_id, last_heartbeat__gte=cutoff)
     return list(rows.exclude(token=token).order_by("host", "pid").values_list("host", "pid"))
+
+
+def orphaned_holder(job: str) -> Any:
+    """The run holding ``job`` that only a running scheduler can move on, or None.
+
+    A ``running`` run whose lease has expired (its instance stopped or froze) is taken over,
+    and a handed-over attempt waiting as ``pending`` is run, by a scheduler instance's loop.
+    """
+    runs = Run.objects.using(alias()).filter(job=job)
+    expired = runs.filter(status=Status.RUNNING, lease_expires_at__lt=DbNow())
+    handed_over = runs.filter(status=Status.PENDING, attempt__gt=1)
+    return (expired.order_by("slot").first()) or handed_over.order_by("slot").first()
 
 
 def paused_among(names: Iterable[str]) -> set[str]:
