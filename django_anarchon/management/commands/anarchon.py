@@ -80,8 +80,15 @@ class Command(BaseCommand):
         "Run the django-anarchon scheduler until SIGTERM or SIGINT (a second SIGINT exits at once). "
         "Run it on every instance of the project: exactly one instance wins each scheduled run."
     )
+    # The system checks run in handle(), where a database that cannot be reached yet is waited for:
+    # from Django 6.1 the model checks connect (a JSONField's asks SQLite and MySQL what they support),
+    # and Django running them first made the command crash on a database down at start.
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: ArgumentParser) -> None:
+        if not any("--skip-checks" in action.option_strings for action in parser._actions):
+            # Django adds it only for a command whose checks it runs itself (see requires_system_checks).
+            parser.add_argument("--skip-checks", action="store_true", help="Skip system checks.")
         parser.add_argument("--instance-id", type=_instance_id, help="Name this instance (default: host:pid:random).")
         action = parser.add_mutually_exclusive_group()
         action.add_argument("--list", action="store_true", help="List the jobs, their schedules and next due times.")
@@ -108,6 +115,10 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         self._configure_logging(options["verbosity"])
+        self._skip_checks = bool(options.get("skip_checks"))
+        if options["list"]:  # (not --check: a probe reads the database and nothing else)
+            with contextlib.suppress(DatabaseError):  # what follows says the database is unreachable
+                self._system_checks()
         if options["list"]:
             self._list()
             return
@@ -142,9 +153,13 @@ class Command(BaseCommand):
 
         log = logging.getLogger("django_anarchon")
         delay, waited_since = START_RETRY_S, None
+        general_done = False
         with _stopped_by_signals() as stop:
             while True:
                 try:
+                    if not general_done:
+                        self._system_checks()
+                        general_done = True
                     self.check(databases=[store.alias()], tags=[Tags.database])
                     _refuse_unapplied_migrations(store.alias())
                 except DatabaseError as error:
@@ -168,6 +183,11 @@ class Command(BaseCommand):
                         time.monotonic() - waited_since,
                     )
                 return True
+
+    def _system_checks(self) -> None:
+        """Django's system checks but the ``database`` ones, as BaseCommand runs them (unless --skip-checks)."""
+        if not self._skip_checks:
+            self.check()
 
     def _configure_logging(self, verbosity: int) -> None:
         """Log to stderr unless the project's LOGGING already handles ``django_anarchon``.
