@@ -89,6 +89,20 @@ def _is_generator(handler: Callable[..., Any]) -> bool:
     return _any_form(handler, inspect.isgeneratorfunction) or _any_form(handler, inspect.isasyncgenfunction)
 
 
+def returned_generator(job_name: str, result: object) -> TypeError | None:
+    """The error for a handler that *returned* a generator (a lambda around a generator function).
+
+    Its body never ran, and calling the run a success would hide that; generator functions
+    themselves are refused when declared.
+    """
+    if inspect.isgenerator(result) or inspect.isasyncgen(result):
+        return TypeError(
+            f"the handler of job {job_name!r} returned a generator, so none of its body ran; "
+            "a handler must do its work when called (a plain def or async def, no 'yield')"
+        )
+    return None
+
+
 def _any_form(handler: Callable[..., Any], test: Callable[[Any], bool]) -> bool:
     """``test`` on the handler, the function of a ``functools.partial``, or a callable object's ``__call__``."""
     if test(handler):

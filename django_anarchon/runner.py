@@ -22,6 +22,7 @@ from .conf import check_json
 from .context import Context, make_context
 from .dbtrouble import reset_connection
 from .models import Reason
+from .registry import returned_generator
 from .runs import ActiveRun, RunTable, log_fields
 from .taskjobs import TaskArguments
 from .workers import CLOCK_RECHECK_S, Starter, Workers, check_kept_connections, tidy_connections
@@ -393,14 +394,8 @@ class Runner:
             result = active.job.handler(ctx)
         except BaseException as error:  # noqa: B036 - every ending is recorded, none escapes
             return error
-        if inspect.isgenerator(result) or inspect.isasyncgen(result):
-            # A callable that returned a generator (a lambda around a generator function): the
-            # body never ran, and calling it a success would hide that (generator functions
-            # themselves are refused when declared).
-            return TypeError(
-                f"the handler of job {active.run.job!r} returned a generator, so none of its body ran; "
-                "a handler must do its work when called (a plain def or async def, no 'yield')"
-            )
+        if (refused := returned_generator(active.run.job, result)) is not None:
+            return refused
         if result is not None and inspect.isawaitable(result):
             # A plain callable that returned a coroutine (a lambda calling an async function, an
             # object whose __call__ returns one): awaited on the event loop as an async def's

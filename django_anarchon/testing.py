@@ -32,7 +32,7 @@ from . import taskjobs
 from .conf import check_json, get_settings
 from .context import Context
 from .exceptions import Interrupted
-from .registry import UNSET, Job
+from .registry import UNSET, Job, returned_generator
 from .signal import AbortSignal
 from .taskjobs import TaskArguments
 
@@ -183,11 +183,8 @@ def run_job(
             result = async_to_sync(handler)(ctx)
         else:
             result = handler(ctx)
-            if inspect.isgenerator(result) or inspect.isasyncgen(result):
-                raise TypeError(
-                    f"the handler of job {job.name!r} returned a generator, so none of its body ran; "
-                    "a handler must do its work when called (a plain def or async def, no 'yield')"
-                )
+            if (refused := returned_generator(job.name, result)) is not None:
+                raise refused
             if inspect.isawaitable(result):  # a callable object that returned a coroutine
                 result = async_to_sync(_await)(result)
     except Interrupted as raised:

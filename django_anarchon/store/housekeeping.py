@@ -131,7 +131,7 @@ def orphaned_holder(job: str) -> Any:
     runs = Run.objects.using(alias()).filter(job=job)
     expired = runs.filter(status=Status.RUNNING, lease_expires_at__lt=DbNow())
     handed_over = runs.filter(status=Status.PENDING, attempt__gt=1)
-    return (expired.order_by("slot").first()) or handed_over.order_by("slot").first()
+    return expired.order_by("slot").first() or handed_over.order_by("slot").first()
 
 
 def paused_among(names: Iterable[str]) -> set[str]:

@@ -115,17 +115,17 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         self._configure_logging(options["verbosity"])
-        self._skip_checks = bool(options.get("skip_checks"))
+        skip_checks = bool(options.get("skip_checks"))
         if options["list"]:  # (not --check: a probe reads the database and nothing else)
             with contextlib.suppress(DatabaseError):  # what follows says the database is unreachable
-                self._system_checks()
+                self._system_checks(skip=skip_checks)
         if options["list"]:
             self._list()
             return
         if options["check"]:
             self._check_health(options["instance_id"])
             return
-        if not self._checked_once_reachable(wait=not options["run"]):
+        if not self._checked_once_reachable(wait=not options["run"], skip_checks=skip_checks):
             return  # stopped while waiting for the database
         if options["run"]:
             self._run_one(options["run"], options["data"], options["instance_id"])
@@ -141,7 +141,7 @@ class Command(BaseCommand):
                 raise CommandError(f"--metrics-port: {error}") from None
         self._serve(options["instance_id"])
 
-    def _checked_once_reachable(self, *, wait: bool = True) -> bool:
+    def _checked_once_reachable(self, *, wait: bool = True, skip_checks: bool = False) -> bool:
         """Run the checks that need the database (e.g. the MySQL session time zone, the migrations).
 
         An instance started during a database outage does not crash: it says so, and waits for
@@ -158,7 +158,7 @@ class Command(BaseCommand):
             while True:
                 try:
                     if not general_done:
-                        self._system_checks()
+                        self._system_checks(skip=skip_checks)
                         general_done = True
                     self.check(databases=[store.alias()], tags=[Tags.database])
                     _refuse_unapplied_migrations(store.alias())
@@ -184,9 +184,9 @@ class Command(BaseCommand):
                     )
                 return True
 
-    def _system_checks(self) -> None:
+    def _system_checks(self, *, skip: bool) -> None:
         """Django's system checks but the ``database`` ones, as BaseCommand runs them (unless --skip-checks)."""
-        if not self._skip_checks:
+        if not skip:
             self.check()
 
     def _configure_logging(self, verbosity: int) -> None:
