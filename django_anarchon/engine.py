@@ -280,9 +280,9 @@ class Engine:
     def active_runs(self) -> list[ActiveRun]:
         return self.table.all()
 
-    def capacity(self) -> int:
-        """How many more runs may start here (``MAX_WORKERS`` less the handlers running)."""
-        return self.table.capacity()
+    def capacity(self, *, headroom: bool = True) -> int:
+        """How many more runs may start here (``MAX_WORKERS`` less the handlers running; see RunTable.capacity)."""
+        return self.table.capacity(headroom=headroom)
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         """The event loop async handlers run on, started on first use."""
@@ -710,7 +710,9 @@ class Engine:
         if held:
             waiting = waiting - held
             self._takeover_at = min(self._takeover_at, time.monotonic() + BUSY_RETRY_MS / 1000)  # poll again then
-        if waiting and self.capacity() > 0:
+        # Pending runs are claimed for the workers free now, without the headroom quick slots earn:
+        # a burst of manual runs of a slow job is left for the other instances' free workers.
+        if waiting and self.capacity(headroom=False) > 0:
             sent = time.monotonic()
             outcome = self.trouble.call(
                 store.claim_pending,
@@ -719,13 +721,13 @@ class Engine:
                 owner=self.token,
                 instance_id=self.instance_id,
                 ttl=self.settings.lease_ttl,
-                capacity=self.capacity(),
+                capacity=self.capacity(headroom=False),
             )
             if outcome is not FAILED:
                 self._handle(outcome, sent)
         # Left waiting with no room here: the next handler to return asks for a poll (at worst
         # one poll too many, when the last claim took both the runs and the room).
-        self._owed_want_room = bool(waiting) and self.capacity() <= 0
+        self._owed_want_room = bool(waiting) and self.capacity(headroom=False) <= 0
 
     def _warn_undeclared(self, name: str) -> None:
         if name not in self._warned:
@@ -744,7 +746,7 @@ class Engine:
         """
         self.table.fence_overdue()
         sent = time.monotonic()
-        start = self.capacity() > 0
+        start = self.capacity(headroom=False) > 0
         result = self.trouble.call(
             store.take_over,
             row,

@@ -256,7 +256,7 @@ class RunTable:
         with self._lock:
             return list(self._active.values())
 
-    def capacity(self) -> int:
+    def capacity(self, *, headroom: bool = True) -> int:
         """How many more runs this instance may claim now.
 
         ``MAX_WORKERS`` less the runs whose handler has not returned (running,
@@ -267,6 +267,11 @@ class RunTable:
         then claimed together and started a few milliseconds apart by sixteen
         workers, rather than sixteen at a time, each round a claim of its own;
         a slow handler leaves no headroom, so nobody waits behind it.
+
+        Without ``headroom``, the workers free now only: for runs of any job at all (pending
+        manual runs, takeovers), whose handlers the recent durations say nothing about. A
+        burst of manual runs of a slow job, claimed with the headroom quick jobs had earned,
+        waited here for a whole handler while other instances had workers free.
         """
         now = time.monotonic()
         with self._lock:
@@ -277,11 +282,11 @@ class RunTable:
                     if active.ran and now - active.started > QUICK_WINDOW_S:
                         long += 1
         limit = self.settings.max_workers
-        headroom = 0
-        if self._typical_s is not None:
+        extra = 0
+        if headroom and self._typical_s is not None:
             free_soon = max(0, limit - long)
-            headroom = min(HEADROOM_FACTOR * limit, int(free_soon * QUICK_WINDOW_S / max(self._typical_s, 1e-4)))
-        return limit + headroom - busy
+            extra = min(HEADROOM_FACTOR * limit, int(free_soon * QUICK_WINDOW_S / max(self._typical_s, 1e-4)))
+        return limit + extra - busy
 
     def ending(self, jobs: Collection[str]) -> list[ActiveRun]:
         """This instance's runs of ``jobs`` that are ending: their end is decided, or their handler is

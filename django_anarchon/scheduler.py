@@ -235,3 +235,9 @@ def run_now(name: str, data: Any = None) -> Run:
 async def arun_now(name: str, data: Any = None) -> Run:
     """The async twin of :func:`run_now`."""
     return await scheduler.arun_now(name, data)
+
+
+def check_run_data(name: str, data: Any) -> None:
+    """Raise what :func:`run_now` would raise for ``name`` and ``data``, recording nothing (the admin's forms)."""
+    job = scheduler.job(name)
+    scheduler._run_data(job, data)

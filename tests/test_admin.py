@@ -361,6 +361,10 @@ def test_pause_asks_for_a_note_then_pauses_and_shows_it(admin_client: Client, jo
     # Pausing again keeps the first pause's note and time.
     response = confirm_pause(admin_client, EVERY, reason="second")
     assert "1 job was already paused." in text(response)
+    # The job page's own buttons name the job as written: the admin capitalises a message's first
+    # letter, and names differ by case (it said "Admin-test-every was already paused.").
+    response = admin_client.post(url("jobstate_pause", EVERY), {"post": "yes", "reason": ""}, follow=True)
+    assert f"Job {EVERY} was already paused." in text(response)
     again = JobState.objects.get(name=EVERY)
     assert (again.pause_note, again.paused_at) == (state.pause_note, state.paused_at)
 

@@ -1595,3 +1595,34 @@ def test_run_once_says_when_the_run_it_waits_for_needs_a_running_scheduler(
     assert sched.run_once("held", stop=stop) is None  # nothing claimed: stopped while it waited
     assert "Job 'held' is held by its run of slot 1000 (attempt 1, lease expired on gone-1)" in caplog.text
     assert "is `manage.py anarchon` running?" in caplog.text
+
+
+def test_a_burst_of_manual_runs_is_claimed_for_the_free_workers_only_whatever_quick_runs_taught(
+    sched: Scheduler,
+) -> None:
+    """Quick runs earn an instance headroom to claim slots beyond its free workers; pending runs
+    (run_now, takeovers) of any job are claimed for the workers free now. A burst of manual runs of
+    a slow job, claimed with the headroom, waited for a whole handler while other instances had
+    workers free (helper 33: 3 of 40 runs started one handler late on MySQL, 20 s late on SQLite)."""
+    gate = threading.Event()
+    sched.every("quick", ON_DEMAND, lambda ctx: None)
+    sched.every("slow", ON_DEMAND, lambda ctx: gate.wait(20), overlap="allow")
+    with override_settings(ANARCHON={"LEASE_TTL": 30.0, "POLL_INTERVAL": 0.2, "MAX_WORKERS": 2}):
+        start(sched)
+        engine = running_engine(sched)
+        try:
+            for _ in range(3):
+                sched.run_now("quick")
+            engine.request_poll()
+            wait_for(lambda: Run.objects.filter(job="quick", status="success").count() == 3, 10, what="quick runs")
+            assert engine.capacity() > 2, "quick runs earn headroom beyond the two workers"
+            for _ in range(5):
+                sched.run_now("slow")
+            engine.request_poll()
+            wait_for(lambda: Run.objects.filter(job="slow", status="running").count() >= 2, 10, what="slow runs")
+            time.sleep(1.0)  # five polls
+            statuses = sorted(Run.objects.filter(job="slow").values_list("status", flat=True))
+        finally:
+            gate.set()
+            sched.stop(timeout=3)
+    assert statuses == ["pending"] * 3 + ["running"] * 2, statuses

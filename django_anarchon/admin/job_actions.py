@@ -177,7 +177,7 @@ class JobPageButtons:
             return form_page(admin, request, "run_now_confirmation.html", gettext("Run now"), [state], form)
         if requested is None:
             admin.message_user(
-                request, gettext("%(name)s is not declared in code.") % {"name": state.name}, messages.ERROR
+                request, gettext("Job %(name)s is not declared in code.") % {"name": state.name}, messages.ERROR
             )
         elif admin._instances_alive():
             admin.message_user(
@@ -201,7 +201,7 @@ class JobPageButtons:
             admin.message_user(request, gettext("Paused %(names)s.") % {"names": state.name}, messages.SUCCESS)
         else:
             admin.message_user(
-                request, gettext("%(name)s was already paused.") % {"name": state.name}, messages.WARNING
+                request, gettext("Job %(name)s was already paused.") % {"name": state.name}, messages.WARNING
             )
         return self._back(state)
 
@@ -214,6 +214,6 @@ class JobPageButtons:
                 admin.message_user(request, gettext("Resumed %(names)s.") % {"names": state.name}, messages.SUCCESS)
             else:
                 admin.message_user(
-                    request, gettext("%(name)s was not paused.") % {"name": state.name}, messages.WARNING
+                    request, gettext("Job %(name)s was not paused.") % {"name": state.name}, messages.WARNING
                 )
         return self._back(state)

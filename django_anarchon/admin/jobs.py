@@ -25,7 +25,9 @@ import django_anarchon
 from .. import store
 from ..conf import get_settings
 from ..durations import format_ms
+from ..exceptions import AnarchonError, UnknownJobError
 from ..models import Instance, JobState, Run
+from ..scheduler import check_run_data
 from .display import (
     ReadOnlyAdmin,
     admin_url,
@@ -254,9 +256,22 @@ class JobStateAdmin(JobPageButtons, ReadOnlyAdmin):
     def run_now_with_data(self, request: HttpRequest, queryset: QuerySet[JobState]) -> HttpResponse | None:
         """Ask for the run's data (JSON) on a form, then record a pending manual run of each selected job."""
         form = RunDataForm(request.POST if "run_data" in request.POST else None)
+        states = list(queryset)
         if not form.is_bound or not form.is_valid():
-            return form_page(self, request, "run_now_confirmation.html", gettext("Run now"), list(queryset), form)
-        self._request_runs(request, list(queryset), form.cleaned_data["run_data"])
+            return form_page(self, request, "run_now_confirmation.html", gettext("Run now"), states, form)
+        data = form.cleaned_data["run_data"]
+        # Data a selected job cannot take (a task job whose task has no data argument) is refused on
+        # the form before any run is recorded, as the job page's button does.
+        for state in states:
+            try:
+                check_run_data(state.name, data)
+            except UnknownJobError:
+                continue  # said after the others are requested
+            except AnarchonError as error:
+                form.add_error("run_data", str(error))
+        if form.errors:
+            return form_page(self, request, "run_now_confirmation.html", gettext("Run now"), states, form)
+        self._request_runs(request, states, data)
         return None
 
     def _request_runs(self, request: HttpRequest, states: list[JobState], data: Any) -> None:

@@ -83,7 +83,9 @@ class RunAdmin(ReadOnlyAdmin):
         try:
             again = django_anarchon.run_now(run.job, run.data)
         except UnknownJobError:
-            self.message_user(request, gettext("%(name)s is not declared in code.") % {"name": run.job}, messages.ERROR)
+            self.message_user(
+                request, gettext("Job %(name)s is not declared in code.") % {"name": run.job}, messages.ERROR
+            )
             return HttpResponseRedirect(
                 reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[run.pk])
             )
