@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -82,6 +83,25 @@ class _Outage:
 
 
 _outages: dict[str, _Outage] = {}
+# Every DbTrouble, for say_waiting(): a query that hangs raises nothing, and its own thread cannot log.
+_troubles: weakref.WeakSet[DbTrouble] = weakref.WeakSet()
+_troubles_lock = threading.Lock()
+
+
+def say_waiting() -> None:
+    """Log (once per call) each query of the scheduler's threads that has waited ``SLOW_CALL_S`` for an answer.
+
+    Called by the watchdog's thread, which needs no query: a database that stops answering
+    without refusing (a frozen server, a network that drops packets) is said while it lasts,
+    not only once it answers.
+    """
+    now = time.monotonic()
+    with _troubles_lock:
+        troubles = list(_troubles)
+    for trouble in troubles:
+        trouble._say_waiting(now)
+
+
 _outages_lock = threading.Lock()
 
 
@@ -102,19 +122,24 @@ class DbTrouble:
         self.down_since: float | None = None
         self.last_error_at = 0.0  # monotonic time of its last database error
         self._failed_this_turn = False
+        self._waiting_since: float | None = None  # monotonic time the call under way was sent
+        self._said_waiting = False  # that call's wait was logged (see say_waiting)
+        with _troubles_lock:
+            _troubles.add(self)
 
     def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Call ``function``; on a database error note it (see :meth:`failed`) and return ``FAILED``.
 
         A call that took ``SLOW_CALL_S`` or longer is logged (WARNING) once it returns.
         """
-        sent = time.monotonic()
+        sent = self._waiting_since = time.monotonic()
         try:
             return function(*args, **kwargs)
         except DatabaseError as error:
             self.failed(error)
             return FAILED  # type: ignore[no-any-return]
         finally:
+            self._waiting_since, self._said_waiting = None, False
             took = time.monotonic() - sent
             if took >= SLOW_CALL_S:
                 logger.warning(
@@ -125,6 +150,20 @@ class DbTrouble:
                     self.instance_id,
                     extra={"instance": self.instance_id},
                 )
+
+    def _say_waiting(self, now: float) -> None:
+        since = self._waiting_since
+        if since is None or self._said_waiting or now - since < SLOW_CALL_S:
+            return
+        self._said_waiting = True
+        logger.warning(
+            "The database has not answered %s on %s for %.0fs (a server frozen or overloaded, or a network "
+            "dropping packets); still waiting",
+            self.what,
+            self.instance_id,
+            now - since,
+            extra={"instance": self.instance_id},
+        )
 
     def failed(self, error: BaseException) -> None:
         """A database error: drop the connection, and log it if it starts an outage."""

@@ -32,6 +32,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import os
 import random
 import socket
@@ -66,6 +67,8 @@ PEERS_REFRESH_S = 2.0
 # database clock as estimated here), and a takeover the database refused this long after.
 TAKEOVER_MARGIN_S = 0.005
 TAKEOVER_RETRY_S = 0.05
+# The most slots of failed claims remembered until the next poll looks them up (see _recover_in_doubt).
+IN_DOUBT_LIMIT = 10_000
 # Hourly, each instance stamps its jobs as declared. The runs of a job no instance has
 # declared for three such turns are closed (see store.close_undeclared).
 HOUSEKEEPING_EVERY_S = 3600.0
@@ -157,6 +160,9 @@ class Engine:
         # poll, and that poll claims them before new slots take the room.
         self._owed_want_room = False
         self._waiting_jobs: set[str] = set()
+        # Slots of claims that failed with no answer from the database: the commit may have gone
+        # through (the connection died at the commit). Looked up at the next poll (_recover_in_doubt).
+        self._in_doubt: dict[tuple[str, int], None] = {}
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
@@ -475,6 +481,9 @@ class Engine:
             first_look=len(self.shares.peers) > 1,
         )
         if outcome is FAILED:
+            self._in_doubt.update(dict.fromkeys((c.job.name, c.slot) for c in batch.claims))
+            while len(self._in_doubt) > IN_DOUBT_LIMIT:  # an outage's failed claims: the newest matter
+                del self._in_doubt[next(iter(self._in_doubt))]
             return outcome
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
@@ -685,10 +694,19 @@ class Engine:
         found = self.trouble.call(store.poll, expiring_within=self.settings.poll_interval)
         if found is FAILED:
             return
+        if self._in_doubt:
+            self._recover_in_doubt()
         owed: set[str] = set()
         for row in found.expiring:
             if row.job not in self.jobs:
                 self._warn_undeclared(row.job)
+                continue
+            ending = self.table.get(row.id)
+            if ending is not None and ending.state is Phase.FINISHING:
+                # Its handler is over here and its end waits for the recorder (the database was
+                # unreachable past the lease): written first, not taken over and run again.
+                self.recorder.hurry()
+                self._takeover_at = min(self._takeover_at, time.monotonic() + TAKEOVER_RETRY_S * 10)
                 continue
             expires = row.lease_expires_at.timestamp() if row.lease_expires_at else 0.0
             left_s = expires - self.clock.now_ms() / 1000
@@ -728,6 +746,32 @@ class Engine:
         # Left waiting with no room here: the next handler to return asks for a poll (at worst
         # one poll too many, when the last claim took both the runs and the room).
         self._owed_want_room = bool(waiting) and self.capacity(headroom=False) <= 0
+
+    def _recover_in_doubt(self) -> None:
+        """Run the claims of this instance that committed although the database's answer was lost.
+
+        A claim whose connection died at its commit failed here but may have been written: its
+        run, ``running`` under this instance's token, would hold its job (slots skipped behind it)
+        until its lease ran out and a backup ran it late. Only the slots of claims that failed
+        are looked for, and only runs this instance does not hold: a run it held before (fenced,
+        lost) is never started again here.
+        """
+        rows = self.trouble.call(store.held_by, self.token)
+        if rows is FAILED:
+            return
+        doubted, self._in_doubt = self._in_doubt, {}
+        for row in rows:
+            if (row.job, row.slot) not in doubted or row.attempt != 1 or row.manual or row.job not in self.jobs:
+                continue
+            if self.table.get(row.id) is not None:
+                continue
+            logger.warning(
+                "Claim of %s slot=%s committed although the database's answer was lost; running it now",
+                row.job,
+                row.slot,
+                extra=log_fields(row, self.instance_id),
+            )
+            self.adopt(row, -math.inf)  # renewed first: the lease counts from the lost commit
 
     def _warn_undeclared(self, name: str) -> None:
         if name not in self._warned:

@@ -17,7 +17,7 @@ from django.db import DatabaseError, connections
 
 from . import metrics, store
 from .conf import AnarchonSettings
-from .dbtrouble import DbTrouble
+from .dbtrouble import DbTrouble, say_waiting
 from .runs import ActiveRun, Phase, RunTable, describe_loss
 
 logger = logging.getLogger("django_anarchon")
@@ -126,6 +126,7 @@ class Keeper:
             now = time.monotonic()
             self.table.fence_overdue()
             self.table.time_out_overdue(now)
+            say_waiting()
             candidates = [1.0]
             for active in self.table.all():
                 if active.state is Phase.RUNNING:

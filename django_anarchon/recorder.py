@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from django.db import connections
@@ -37,6 +38,9 @@ BATCH = 200
 # waking the waiting runs' threads) while more runs of the same instant are still
 # starting delays those starts.
 COLLECT_S = 0.02
+# How long an ending is retried while the database cannot be reached (past its lease, too: see
+# Recorder._record), before it is given up and the run left to a takeover.
+END_PATIENCE_S = 600.0
 
 
 @dataclass
@@ -54,12 +58,15 @@ class Ending:
     hand_over: bool = False
     started: bool = True  # whether the handler was called (a hand-over of one that was not has no start time)
     max_attempts: int | None = None
+    # When the handler started, if well after the claim's started_at (it waited for a worker): written with the end.
+    started_at: datetime | None = None
     error_type: str = ""
     error_message: str = ""
     traceback: str = ""
     detail: str = ""
     result: Any = None
     done: Latch = field(default_factory=Latch)
+    outlived_lease: bool = False  # said once: its lease ran out while the database was unreachable
     queued_at: float = field(default_factory=time.monotonic)
 
     def texts(self) -> dict[str, str]:
@@ -154,16 +161,19 @@ class Recorder:
             connections.close_all()
 
     def _record(self, batch: list[Ending]) -> None:
-        """Write ``batch``; retry while the database is unreachable, for each ending while its lease can be live.
+        """Write ``batch``; retry while the database is unreachable, for each ending up to ``END_PATIENCE_S``.
 
-        An ending is given up (result None, logged at ERROR) once its lease may
-        have run out, or once it has been retried for a whole ``LEASE_TTL``: the
-        keeper renews the lease of a run whose end waits here, so a write that
-        keeps failing must not hold the run (and this thread) for ever. A write
+        An ending outlives its lease here: its handler is over, and the end is
+        written when the database answers again unless a backup took the run
+        over first (the row decides; see ``statements.end_held``), so a run that
+        finished during an outage longer than ``LEASE_TTL`` is not run again.
+        Past ``END_PATIENCE_S`` (or ``LEASE_TTL``, if longer) it is given up
+        (result None, logged at ERROR), and the run left to a takeover. A write
         that fails for a reason retrying cannot fix is degraded at once (see
         :meth:`_write_degraded`), never retried.
         """
         pending = batch
+        patience = max(END_PATIENCE_S, self.lease_ttl)
         while pending:
             try:
                 self._write(pending)
@@ -171,15 +181,31 @@ class Recorder:
                 self.trouble.failed(error)
                 now = time.monotonic()
                 for ending in pending:
-                    if not ending.done.is_set() and (
-                        now > ending.lease_until() or now > ending.queued_at + self.lease_ttl
-                    ):
-                        self._give_up(ending, error, "another instance will take the run over once its lease runs out")
+                    if ending.done.is_set():
+                        continue
+                    if now > ending.queued_at + patience:
+                        self._give_up(ending, error, "another instance will take the run over")
+                    elif now > ending.lease_until() and not ending.outlived_lease:
+                        ending.outlived_lease = True
+                        self._outlived(ending, error)
                 self.trouble.end_turn()
                 sleep(min(self.trouble.backoff, 1.0))
             else:
                 self.trouble.end_turn()
             pending = [ending for ending in pending if not ending.done.is_set()]
+
+    def _outlived(self, ending: Ending, error: BaseException) -> None:
+        run = ending.run
+        logger.warning(
+            "The end of %s slot=%s attempt=%d waits for the database past its lease (%s: %s); it is written "
+            "when the database answers, unless another instance takes the run over first",
+            run.job,
+            run.slot,
+            run.attempt,
+            type(error).__name__,
+            error,
+            extra={"job": run.job, "slot": run.slot, "attempt": run.attempt, "instance": self.instance_id},
+        )
 
     def _give_up(self, ending: Ending, error: BaseException, then: str) -> None:
         run = ending.run
@@ -197,7 +223,11 @@ class Recorder:
 
     def _write(self, endings: Sequence[Ending]) -> None:
         """Write every ending not yet settled; raise only what a retry may fix."""
-        successes = [e for e in endings if e.status == Status.SUCCESS and not e.hand_over and not e.done.is_set()]
+        successes = [
+            e
+            for e in endings
+            if e.status == Status.SUCCESS and not e.hand_over and e.started_at is None and not e.done.is_set()
+        ]
         if successes:
             try:
                 recorded = store.finish_many([e.run.id for e in successes], owner=self.token)  # type: ignore[misc]
@@ -268,4 +298,4 @@ class Recorder:
                 max_attempts=ending.max_attempts,
                 started=ending.started,
             )
-        return store.finish(run_id, owner=self.token, status=ending.status, **texts)
+        return store.finish(run_id, owner=self.token, status=ending.status, started_at=ending.started_at, **texts)

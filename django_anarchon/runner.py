@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
@@ -50,6 +51,9 @@ FANOUT_WEIGHT = 0.2
 # switch counts before and after it (four system calls, more than the rest of a quick run costs
 # its worker), and a moving average needs a sample now and then, not one per run.
 LEARN_EVERY_S = 0.05
+# A handler starting this long after the start its claim wrote (it waited for a worker) has its real
+# start written with its end: the admin's start and duration are off by less than this.
+LATE_START_MS = 500
 
 
 try:
@@ -279,13 +283,17 @@ class Runner:
             self.table.returned(active)
             self.table.finish(active, active.signal.reason, started=False)
             return
-        metrics.LATENESS.labels(run.job).observe(max(0.0, self.clock.exact_ms() - run.slot) / 1000)
+        started_ms = self.clock.exact_ms()
+        metrics.LATENESS.labels(run.job).observe(max(0.0, started_ms - run.slot) / 1000)
+        if run.started_at is not None and started_ms - run.started_at.timestamp() * 1000 > LATE_START_MS:
+            # It waited for a worker well past what its claim wrote as its start (the claim itself,
+            # or its slot): the real start is written with its end, and its receivers get it.
+            active.late_start = run.started_at = datetime.fromtimestamp(started_ms / 1000, UTC)
         if active.job.timeout_ms:
             active.deadline = active.started + active.job.timeout_ms / 1000
             self.watch()
-        if run.reason == Reason.TAKEOVER:
-            signals.send(signals.run_taken_over, run=run)
-        signals.send(signals.run_started, run=run)
+        # Logged before the receivers run: a slow one may outlast the run's timeout, whose end line
+        # would otherwise come before this one.
         if logger.isEnabledFor(logging.INFO):  # spares building the fields in a burst of starts
             logger.info(
                 "Run started: %s slot=%s attempt=%d reason=%s instance=%s",
@@ -296,6 +304,9 @@ class Runner:
                 self.instance_id,
                 extra=log_fields(run, self.instance_id),
             )
+        if run.reason == Reason.TAKEOVER:
+            signals.send(signals.run_taken_over, run=run)
+        signals.send(signals.run_started, run=run)
         job = active.job
         if active.signal.aborted:
             # Stopped, timed out, fenced or lost while run_started's receivers ran (a slow one can

@@ -94,6 +94,7 @@ class ActiveRun:
         self.finished = Latch()  # set when its handler is over and its end recorded (or given up)
         self.ended = Latch()  # set when its end is recorded, given up, or decided elsewhere
         self.ran = False  # its handler was called
+        self.late_start: datetime | None = None  # when its handler started, if well after the claim said (see Runner)
         self._state = Phase.RUNNING
         self._finishing_at: float | None = None  # monotonic time its ending began
         self._lock = threading.Lock()
@@ -550,7 +551,13 @@ class RunTable:
 
     def _ending(self, active: ActiveRun, then: Any, **fields: Any) -> Ending:
         ttl = self.settings.lease_ttl
-        return Ending(run=active.run, lease_until=lambda: active.renewed_at + ttl, then=then, **fields)
+        return Ending(
+            run=active.run,
+            lease_until=lambda: active.renewed_at + ttl,
+            then=then,
+            started_at=active.late_start,
+            **fields,
+        )
 
     def _settled(self, active: ActiveRun, leave: bool) -> None:
         """The end of ``active`` is recorded (or given up): stop renewing; leave the table if the handler is over."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -59,6 +60,37 @@ def test_a_call_the_database_was_slow_to_answer_is_logged(
     assert trouble.call(lambda: time.sleep(0.1) or "late") == "late"
     [line] = [r.getMessage() for r in caplog.records]
     assert line.startswith("The database took 0.1s to answer the loop on slow-test"), line
+
+
+def test_a_call_still_waiting_for_the_database_is_logged_while_it_waits(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blackholed database: the loop's query hangs and its thread cannot log (helper 32: 30 s of
+    silence, then "took 29.9s"). The watchdog's thread, which needs no query, says it once per call."""
+    from django_anarchon import dbtrouble
+
+    monkeypatch.setattr(dbtrouble, "SLOW_CALL_S", 0.1)
+    caplog.set_level(logging.WARNING, logger="django_anarchon")
+    trouble = DbTrouble("the loop", "hang-test", lambda: "default")
+    release = threading.Event()
+    caller = threading.Thread(target=trouble.call, args=(release.wait,))
+    caller.start()
+    try:
+        dbtrouble.say_waiting()  # not yet: under SLOW_CALL_S
+        assert not caplog.records
+        time.sleep(0.15)
+        dbtrouble.say_waiting()
+        dbtrouble.say_waiting()  # said once per call
+        [line] = [r.getMessage() for r in caplog.records]
+        assert line.startswith("The database has not answered the loop on hang-test for 0s"), line
+    finally:
+        release.set()
+        caller.join(5)
+    assert "s to answer the loop on hang-test" in caplog.text, "and how long it took, once it answered"
+    caplog.clear()
+    time.sleep(0.15)
+    dbtrouble.say_waiting()  # nothing under way any more
+    assert not caplog.records
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -8,6 +8,7 @@ distributed guarantees across processes are in test_process.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -1626,3 +1627,132 @@ def test_a_burst_of_manual_runs_is_claimed_for_the_free_workers_only_whatever_qu
             gate.set()
             sched.stop(timeout=3)
     assert statuses == ["pending"] * 3 + ["running"] * 2, statuses
+
+
+def test_a_run_that_waited_for_a_worker_records_when_its_handler_started(sched: Scheduler) -> None:
+    """Slots claimed together beyond the free workers (the headroom quick runs earn) start as a
+    worker frees up; their rows said the claim's start (the slot) whatever the wait. The start is
+    written with the end, and run_started's receivers get it (helper 33: an admin duration of 40 s
+    for a handler of 20 s)."""
+    arm, started = threading.Event(), {}
+    seen: list[Any] = []
+
+    def slow(ctx: Context) -> None:
+        if arm.is_set() and not started:
+            time.sleep(1.2)
+
+    def tick(ctx: Context) -> None:
+        started.setdefault(ctx.slot, time.time())
+
+    def on_started(sender: Any, run: Run, **kwargs: Any) -> None:
+        if run.job == "b-tick":
+            seen.append((run.slot, run.started_at))
+
+    sched.every("a-slow", "1s", slow)
+    sched.every("b-tick", "1s", tick)
+    signals.run_started.connect(on_started)
+    with override_settings(ANARCHON={"LEASE_TTL": 30.0, "POLL_INTERVAL": 1.0, "MAX_WORKERS": 1}):
+        start(sched)
+        engine = running_engine(sched)
+        try:
+            wait_for(lambda: len(started) >= 2 and engine.capacity() > 1, 10, what="quick runs to earn headroom")
+            started.clear()
+            arm.set()
+            late = wait_for(
+                lambda: next(((slot, at) for slot, at in started.items() if at - slot / 1000 > 1.0), None),
+                10,
+                what="a tick that waited for the worker",
+            )
+            run = wait_for(lambda: Run.objects.filter(job="b-tick", slot=late[0], status="success").first(), 5)
+        finally:
+            signals.run_started.disconnect(on_started)
+            sched.stop(timeout=3)
+    slot, handler_started = late
+    assert abs(run.started_at.timestamp() - handler_started) < 0.3, (run.started_at, handler_started, slot)
+    assert run.finished_at >= run.started_at
+    [(_, received)] = [(s, at) for s, at in seen if s == slot]
+    assert abs(received.timestamp() - handler_started) < 0.3, received
+
+
+def test_a_handler_that_returned_during_an_outage_longer_than_its_lease_is_recorded_not_run_again(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end could not be written, nor the lease renewed, until well after the lease ran out. The
+    end waited for the database and was written once it answered; the instance's own poll found the
+    expired lease meanwhile and left the run to its recorder. Before, the recorder gave the end up at
+    the lease's end and the poll took the run over: the handler that had finished ran a second time
+    (helper 32: 7 of 7 outages of 2.5 leases, on all three databases)."""
+    calls: list[int] = []
+    outage = threading.Event()
+
+    def down(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if outage.is_set():
+                raise OperationalError("the database is unreachable (test)")
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("finish", "finish_many", "renew"):
+        monkeypatch.setattr(store, name, down(getattr(store, name)))
+    sched.every("done-in-outage", ON_DEMAND, lambda ctx: calls.append(ctx.attempt))
+    with override_settings(ANARCHON={"LEASE_TTL": 1.5, "POLL_INTERVAL": 0.2}):
+        start(sched)
+        engine = running_engine(sched)
+        try:
+            outage.set()
+            sched.run_now("done-in-outage")
+            engine.request_poll()
+            wait_for(lambda: calls, 10, what="the handler")
+            expired = wait_for(
+                lambda: Run.objects.filter(job="done-in-outage", lease_expires_at__lt=store.DbNow()).first(),
+                10,
+                what="its lease to run out",
+            )
+            time.sleep(1.0)  # five polls with the lease expired
+            outage.clear()
+            [run] = finished("done-in-outage", 1)
+        finally:
+            outage.clear()
+            sched.stop(timeout=3)
+    assert (run.pk, run.attempt, run.status) == (expired.pk, 1, "success")
+    assert calls == [1], "the handler ran again"
+    assert Run.objects.filter(job="done-in-outage").count() == 1
+
+
+def test_a_claim_that_committed_although_its_answer_was_lost_is_run_at_the_next_poll(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The connection died at a claim's commit: written, but the instance saw an error. Its run held
+    the job, running under the instance's token with nobody to run it, until the lease ran out (30 s
+    by default), and the job's slots meanwhile were recorded skipped (helper 32: 15 such claims in 15
+    blips of 50-300 ms, 26 slots skipped). The next poll now finds it and runs it."""
+    real_decide = store.decide
+    lost: list[Any] = []
+    ran: list[int] = []
+
+    def decide(*args: Any, **kwargs: Any) -> Any:
+        outcome = real_decide(*args, **kwargs)
+        won = [r for r in outcome.won if r.job == "blip"]
+        if won and not lost:
+            lost.extend(won)
+            raise OperationalError("server closed the connection unexpectedly (test)")
+        return outcome
+
+    monkeypatch.setattr(store, "decide", decide)
+    sched.every("blip", "1s", lambda ctx: ran.append(ctx.slot))
+    with override_settings(ANARCHON={"LEASE_TTL": 30.0, "POLL_INTERVAL": 0.5}), caplog.at_level(logging.WARNING):
+        start(sched)
+        try:
+            wait_for(lambda: lost, 10, what="a claim whose answer is lost")
+            [doubted] = lost
+            done = wait_for(
+                lambda: Run.objects.filter(pk=doubted.pk, status="success").first(), 4, what="the run to be run"
+            )
+            wait_for(lambda: len(ran) >= 3, 5, what="the next slots")
+        finally:
+            sched.stop(timeout=3)
+    assert done.attempt == 1 and ran.count(doubted.slot) == 1
+    assert "committed although the database's answer was lost" in caplog.text
+    assert not Run.objects.filter(job="blip", status="skipped").exists()
+    assert not Run.objects.filter(job="blip", attempt__gt=1).exists()

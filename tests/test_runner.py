@@ -6,6 +6,7 @@ asked, and runs are unsaved rows.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -178,17 +179,21 @@ def test_a_handler_waking_from_a_sleep_that_outlasted_its_lease_is_fenced_at_onc
 
 
 def test_a_handler_is_not_called_when_its_run_was_stopped_while_run_started_receivers_ran(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A slow run_started receiver outlasting SHUTDOWN_GRACE: the run was handed over meanwhile.
 
-    Calling the handler after that would run the slot twice (here and as the next attempt).
+    Calling the handler after that would run the slot twice (here and as the next attempt). The
+    start line is logged before the receivers run, so it never comes after the run's end line.
     """
+    caplog.set_level(logging.INFO, logger="django_anarchon")
     runner, table, ends = make_runner(monkeypatch)
     called: list[Any] = []
+    logged_first: list[bool] = []
     active = hold(table, build_job("interval", "charge", "10000d", called.append, {}), 11, int(time.time() * 1000) - 5)
 
     def slow_receiver(sender: Any, run: Any, **kwargs: Any) -> None:
+        logged_first.append(any(m.startswith("Run started: charge") for m in caplog.messages))
         active.abort("stop", Interrupted("the scheduler is stopping"))  # stop() while the receiver runs
 
     signals.run_started.connect(slow_receiver)
@@ -200,6 +205,7 @@ def test_a_handler_is_not_called_when_its_run_was_stopped_while_run_started_rece
     [(ended, error, started)] = ends.calls
     assert called == [], "the handler was called after its run had been stopped"
     assert ended is active and isinstance(error, Interrupted) and started
+    assert logged_first == [True], "the start line came after run_started's receivers"
 
 
 def test_a_run_stopped_before_its_slot_is_ended_without_starting(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,7 +63,16 @@ from .housekeeping import (
     register_instance,
     unregister_instance,
 )
-from .leases import finish, finish_enqueued, finish_many, hand_over, renew, save_progress, take_over
+from .leases import (
+    finish,
+    finish_enqueued,
+    finish_many,
+    hand_over,
+    held_by,
+    renew,
+    save_progress,
+    take_over,
+)
 from .pending import cancel_pending, claim_manual, claim_pending, create_manual, poll
 from .statements import lock_jobs, newest_successes
 
@@ -91,6 +100,7 @@ __all__ = [
     "finish_enqueued",
     "finish_many",
     "hand_over",
+    "held_by",
     "heartbeat",
     "limit_idle_transactions",
     "live_instances",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from django.db import transaction
@@ -177,16 +178,22 @@ def finish(
     error_message: str = "",
     traceback: str = "",
     detail: str = "",
+    started_at: datetime | None = None,
 ) -> bool:
     """Record the outcome of a run we hold; False if it is no longer ours to record.
 
-    The UPDATE requires our token, status ``running`` and a live lease by the
-    database clock, so a runner that froze past its lease or was replaced
-    changes nothing. Idempotent: a retry after a lost reply finds the status
+    ``started_at``: when its handler started, where that was well after the claim's
+    ``started_at`` (the run waited for a worker).
+
+    The UPDATE requires our token and status ``running``, so a run that was
+    taken over or replaced (marked ``interrupted`` under the row's lock) changes
+    nothing; a lease that ran out while the database was unreachable, with
+    nobody taking the run over meanwhile, still lets the end be written (see
+    ``statements.end_held``). Idempotent: a retry after a lost reply finds the status
     already written by us and still answers True.
     """
     texts = {"error_type": error_type[:255], "error_message": error_message, "traceback": traceback, "detail": detail}
-    done = statements.end_held([run_id], owner=owner, status=status, texts=texts)
+    done = statements.end_held([run_id], owner=owner, status=status, texts=texts, started_at=started_at)
     return bool(done) or _runs().filter(id=run_id, owner=owner, status=status, lease_expires_at=None).exists()
 
 
@@ -204,6 +211,11 @@ def finish_many(run_ids: Sequence[int], *, owner: str) -> set[int]:
     return set(_runs().filter(id__in=ids, owner=owner, status=Status.SUCCESS).values_list("id", flat=True))
 
 
+def held_by(owner: str) -> list[Run]:
+    """The runs ``owner`` holds running, by the database (whatever their lease says)."""
+    return list(_runs().filter(owner=owner, status=Status.RUNNING))
+
+
 def save_progress(run_id: int, value: Any, *, owner: str, ttl: float) -> bool:
     """Store ``value`` as the run's progress and renew its lease; False if the run is not ours."""
     return bool(_held(owner).filter(id=run_id).update(progress=value, lease_expires_at=db_in(ttl)))
@@ -215,7 +227,7 @@ def finish_enqueued(run_id: int, *, owner: str, enqueue: Callable[[], E]) -> E |
     ``enqueue`` runs first, inside the transaction, and returns what was
     enqueued (its ``result_id`` is stored with the run); the run's end is
     written after it, with the same conditions as :func:`finish` (our token,
-    ``running``, a lease live by the database clock). If the run is no longer
+    ``running``, not taken over). If the run is no longer
     ours the transaction is rolled back, and with it the task's row wherever
     the task backend writes to this database on this thread: a run that a
     takeover decided never enqueues its task, and a run recorded ``success``

@@ -782,18 +782,31 @@ def _converted(value: Any, converters: tuple[Any, list[Any]], connection: Any) -
     return value
 
 
-def end_held(ids: Iterable[int], *, owner: str, status: str, texts: dict[str, str] | None = None) -> int:
+def end_held(
+    ids: Iterable[int],
+    *,
+    owner: str,
+    status: str,
+    texts: dict[str, str] | None = None,
+    started_at: datetime | None = None,
+) -> int:
     """Mark the runs ``ids`` that ``owner`` still holds as ended with ``status``; the number changed.
 
-    Held: ours, ``running`` and a lease still live by the database clock
-    (``leases._held``). ``texts`` sets error and detail columns too.
+    Held: ours and ``running``, whether or not the lease has run out by the database clock. A
+    backup takes a run over by marking it ``interrupted`` under the row's lock (``leases.take_over``),
+    so the end and a takeover are decided by the row, and exactly one of them is written: a handler
+    that returned during an outage longer than its lease is recorded when the database comes back,
+    unless a backup took the run over first. ``texts`` sets error and detail columns too,
+    ``started_at`` that column.
     """
     ids = list(ids)
     if not ids:
         return 0
     connection = connections[alias()]
     now = now_sql(connection)
-    columns = [("status", status), *(texts or {}).items()]
+    columns: list[tuple[str, Any]] = [("status", status), *(texts or {}).items()]
+    if started_at is not None:
+        columns.append(("started_at", _MOMENT.get_db_prep_save(started_at, connection)))
     sets = ", ".join(f"{_name(connection, Run, field)} = %s" for field, _ in columns)
     id_params: list[Any]
     if connection.vendor == "postgresql":
@@ -805,7 +818,7 @@ def end_held(ids: Iterable[int], *, owner: str, status: str, texts: dict[str, st
         id_sql, id_params = f"IN ({_ints(ids)})", []
     sql = (
         "UPDATE {run} SET {sets}, {finished} = {now}, {lease} = NULL "
-        "WHERE {id} {ids} AND {owner} = %s AND {status} = %s AND {lease} > {now}"
+        "WHERE {id} {ids} AND {owner} = %s AND {status} = %s"
     ).format(
         run=_name(connection, Run),
         sets=sets,
