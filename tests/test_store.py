@@ -1228,14 +1228,23 @@ def test_concurrent_takeovers_have_one_winner() -> None:
     assert Run.objects.filter(slot=SLOT).count() == 2
 
 
-def test_an_expired_lease_is_never_revived_and_its_owner_records_nothing() -> None:
-    run = decide([store.Claim(make_job(), SLOT)]).won[0]
-    expire(run)
+def test_an_expired_lease_is_never_revived_but_its_end_is_recorded_until_a_takeover() -> None:
+    """A renewal or a progress note needs a live lease; the end of a handler that returned needs the run
+    still running under our token only (an outage longer than the lease, helper 32): a takeover marks it
+    interrupted under the row's lock, after which the end changes nothing."""
+    job = make_job(overlap="allow")
+    run, taken = (r for r in decide([store.Claim(job, SLOT), store.Claim(job, SLOT + 1000)]).won)
+    for row in (run, taken):
+        expire(row)
     held, lost = store.renew([run.id], owner="me", ttl=TTL)
     assert held == set() and [r.id for r in lost] == [run.id]
-    assert store.finish(run.id, owner="me", status="success") is False
     assert store.save_progress(run.id, {"page": 3}, owner="me", ttl=TTL) is False
-    assert Run.objects.get(pk=run.pk).status == "running"  # left for a backup to take over
+    assert store.finish(run.id, owner="me", status="success") is True
+    assert Run.objects.get(pk=run.pk).status == "success"
+    assert store.take_over(run, owner="b", instance_id="i-b", ttl=TTL, start=True) is None, "nothing to take over"
+    old, new = store.take_over(taken, owner="b", instance_id="i-b", ttl=TTL, start=True)  # type: ignore[misc]
+    assert store.finish(taken.id, owner="me", status="success") is False
+    assert Run.objects.get(pk=taken.pk).status == "interrupted" and new.attempt == 2
 
 
 def test_renewal_and_takeover_race_has_one_outcome() -> None:

@@ -188,11 +188,21 @@ def test_a_run_no_longer_ours_rolls_its_enqueue_back() -> None:
     assert run.status == "running" and run.task_result_id is None
 
 
-def test_an_expired_lease_rolls_the_enqueue_back() -> None:
+def test_a_run_taken_over_rolls_the_enqueue_back() -> None:
     run = held_run(owner="me")
     Run.objects.filter(id=run.id).update(lease_expires_at=store.db_in(-1))
+    assert store.take_over(run, owner="b", instance_id="i-b", ttl=30.0, start=False) is not None
     assert store.finish_enqueued(run.id, owner="me", enqueue=enqueue_record_slot) is None
     assert task_results().objects.count() == 0
+
+
+def test_an_expired_lease_nobody_took_over_still_enqueues_and_records_the_run() -> None:
+    # The database was unreachable past the lease (helper 32): the run is still ours to end.
+    run = held_run(owner="me")
+    Run.objects.filter(id=run.id).update(lease_expires_at=store.db_in(-1))
+    assert store.finish_enqueued(run.id, owner="me", enqueue=enqueue_record_slot) is not None
+    assert task_results().objects.count() == 1
+    assert Run.objects.get(id=run.id).status == "success"
 
 
 def test_an_enqueue_that_raises_leaves_nothing_behind() -> None:
