@@ -12,12 +12,13 @@ no load on a server that is starting).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connections
@@ -132,12 +133,19 @@ class DbTrouble:
 
         A call that took ``SLOW_CALL_S`` or longer is logged (WARNING) once it returns.
         """
+        with self.waiting():
+            try:
+                return function(*args, **kwargs)
+            except DatabaseError as error:
+                self.failed(error)
+                return FAILED  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around a query of this thread's: said while it waits ``SLOW_CALL_S`` (:func:`say_waiting`), and after."""
         sent = self._waiting_since = time.monotonic()
         try:
-            return function(*args, **kwargs)
-        except DatabaseError as error:
-            self.failed(error)
-            return FAILED  # type: ignore[no-any-return]
+            yield
         finally:
             self._waiting_since, self._said_waiting = None, False
             took = time.monotonic() - sent

@@ -177,7 +177,8 @@ class Recorder:
         patience = max(END_PATIENCE_S, self.lease_ttl)
         while pending:
             try:
-                self._write(pending)
+                with self.trouble.waiting():  # a write that hangs is said while it does
+                    self._write(pending)
             except Exception as error:  # only errors a retry may fix get here
                 self.trouble.failed(error)
                 now = time.monotonic()

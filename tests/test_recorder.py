@@ -110,3 +110,36 @@ def test_an_end_refused_even_as_ascii_is_recorded_without_its_message_then_given
     monkeypatch.setattr(store, "finish", real_finish)
     sched.run_now("later")
     assert finished("later", 1)[0].status == "success", "the instance records later ends as before"
+
+
+def test_an_end_whose_write_hangs_is_said_while_it_waits(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A blackholed database holds the end's UPDATE, which raises nothing: the recorder's wait is said
+    by the watchdog's thread (dbtrouble.say_waiting) as the loop's is (helper 34)."""
+    import threading
+    import time
+
+    from django_anarchon import dbtrouble
+    from django_anarchon.recorder import Ending, Recorder
+
+    monkeypatch.setattr(dbtrouble, "SLOW_CALL_S", 0.1)
+    release = threading.Event()
+
+    def hanging(ids: Any, **kwargs: Any) -> set[int]:
+        release.wait(10)
+        return set(ids)
+
+    monkeypatch.setattr(store, "finish_many", hanging)
+    recorder = Recorder("token", "hang-rec", 30.0)
+    ending = Ending(run=Run(id=1, job="j", slot=1), lease_until=lambda: time.monotonic() + 30, status="success")
+    caplog.set_level(logging.WARNING, logger="django_anarchon")
+    recorder.submit(ending)
+    try:
+        time.sleep(0.3)
+        dbtrouble.say_waiting()
+        assert "The database has not answered recording run endings on hang-rec" in caplog.text
+    finally:
+        release.set()
+        assert ending.done.wait(5) and ending.result is True
+        recorder.stop()
