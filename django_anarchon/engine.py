@@ -484,6 +484,9 @@ class Engine:
             self._in_doubt.update(dict.fromkeys((c.job.name, c.slot) for c in batch.claims))
             while len(self._in_doubt) > IN_DOUBT_LIMIT:  # an outage's failed claims: the newest matter
                 del self._in_doubt[next(iter(self._in_doubt))]
+            # Looked up by the next turn's poll, after the back-off, not a poll interval later: a run
+            # won by the lost commit holds its job until then, and the job's next slot may come.
+            self._poll_requested = True
             return outcome
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(

@@ -1754,5 +1754,8 @@ def test_a_claim_that_committed_although_its_answer_was_lost_is_run_at_the_next_
             sched.stop(timeout=3)
     assert done.attempt == 1 and ran.count(doubted.slot) == 1
     assert "committed although the database's answer was lost" in caplog.text
-    assert not Run.objects.filter(job="blip", status="skipped").exists()
+    # The slot after it may still find it running on a loaded machine; none after that does. (A
+    # slot before it may be skipped at start-up: see conftest.finished.)
+    skipped = Run.objects.filter(job="blip", status="skipped", slot__gt=doubted.slot).values_list("slot", flat=True)
+    assert set(skipped) <= {doubted.slot + 1000}, (doubted.slot, list(skipped))
     assert not Run.objects.filter(job="blip", attempt__gt=1).exists()
