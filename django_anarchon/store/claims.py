@@ -225,6 +225,13 @@ def _decide(
             if busy and now_ms is not None and claim.slot > now_ms:
                 outcome.early.append(claim)
                 continue
+            if busy and _behind_own_catch_up(claim, view):
+                # The cluster is back: this batch has just won a catch-up of the job, and its current
+                # slot would be recorded skipped behind a run that has not even started. Left
+                # undecided (looked at again in a moment, when a quick catch-up has ended) instead.
+                if job.name not in outcome.busy:
+                    outcome.busy.append(job.name)
+                continue
             status, detail = _overlap(claim, view) if busy else (Status.RUNNING, "")
             if status == Status.RUNNING and budget <= 0:
                 if claim.reason != Reason.CATCH_UP:
@@ -310,6 +317,17 @@ def _decide(
         say()
     outcome.won.sort(key=lambda r: (r.slot, r.job))
     return outcome
+
+
+def _behind_own_catch_up(claim: Claim, view: _JobView) -> bool:
+    """Whether ``claim``, a current slot of a ``skip`` job, finds it busy only with a catch-up won in this batch."""
+    return (
+        claim.job.overlap == "skip"
+        and claim.reason == Reason.SCHEDULED
+        and not claim.shed
+        and bool(view.active)
+        and all(r.id is None and r.reason == Reason.CATCH_UP for r in view.active)
+    )
 
 
 def _left_no_turn(view: _JobView) -> list[int]:
