@@ -67,6 +67,9 @@ PEERS_REFRESH_S = 2.0
 # database clock as estimated here), and a takeover the database refused this long after.
 TAKEOVER_MARGIN_S = 0.005
 TAKEOVER_RETRY_S = 0.05
+# An expiring run of this instance whose end waits for the recorder is looked at again this often
+# (the recorder is hurried meanwhile): it is never taken over here, only watched until written.
+OWN_ENDING_RECHECK_S = 0.5
 # The most slots of failed claims remembered until the next poll looks them up (see _recover_in_doubt).
 IN_DOUBT_LIMIT = 10_000
 # Hourly, each instance stamps its jobs as declared. The runs of a job no instance has
@@ -709,7 +712,7 @@ class Engine:
                 # Its handler is over here and its end waits for the recorder (the database was
                 # unreachable past the lease): written first, not taken over and run again.
                 self.recorder.hurry()
-                self._takeover_at = min(self._takeover_at, time.monotonic() + TAKEOVER_RETRY_S * 10)
+                self._takeover_at = min(self._takeover_at, time.monotonic() + OWN_ENDING_RECHECK_S)
                 continue
             expires = row.lease_expires_at.timestamp() if row.lease_expires_at else 0.0
             left_s = expires - self.clock.now_ms() / 1000

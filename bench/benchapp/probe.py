@@ -1,7 +1,8 @@
 """Counters inside a measured ``manage.py anarchon`` process, dumped to a JSON file.
 
 * every SQL statement sent on any of the process's connections (via Django's
-  ``execute_wrappers``, installed on each connection as it is created), by kind;
+  ``execute_wrappers``, installed on each connection as it is created), by kind, and the CPU
+  time the process spent inside them (on SQLite, the database's own work);
 * every claiming transaction (:func:`django_anarchon.store.decide`): claims sent,
   won, skipped, deferred; the rest were decided by someone else (lost);
 * when the scheduler finished its start-up, CPU seconds and RSS;
@@ -9,7 +10,8 @@
   process's CPU: the measured instance pays for counting and dumping, the references do not.
 
 The file ``probe-<pid>.json`` is rewritten (atomically) every half second. The
-counting costs a Python call per statement, nothing on the database.
+counting costs a Python call and two reads of the thread's CPU clock per statement, nothing
+on the database.
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ from pathlib import Path
 from typing import Any
 
 _TABLE = re.compile(r'(?:FROM|INTO|UPDATE)\s+[`"]?(\w+)', re.IGNORECASE)
+# A statement's kind is read off its start: a claim of a hundred slots is a long text, and
+# scanning all of it cost the measured instance more than the count was worth.
+KIND_PREFIX = 200
 _lock = threading.Lock()
 _probe_cpu = 0.0  # CPU seconds the probe's thread has used, as of its last snapshot
+# CPU seconds the process's threads spent inside statements (Django's cursor call and the driver's
+# execute): on SQLite the database's own work, which PostgreSQL and MariaDB do in their server.
+_db_cpu = 0.0
 queries: Counter[str] = Counter()
 decide: Counter[str] = Counter()
 
@@ -39,9 +47,16 @@ def kind(sql: str) -> str:
 
 
 def _count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-    with _lock:
-        queries[kind(sql)] += 1
-    return execute(sql, params, many, context)
+    global _db_cpu
+    counted = kind(sql[:KIND_PREFIX])
+    before = time.thread_time()
+    try:
+        return execute(sql, params, many, context)
+    finally:
+        took = time.thread_time() - before
+        with _lock:
+            queries[counted] += 1
+            _db_cpu += took
 
 
 def _on_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
@@ -92,6 +107,7 @@ def snapshot() -> dict[str, Any]:
         "rss_kb": _rss_kb(),
         "probe_tid": threading.get_native_id(),
         "probe_cpu": _probe_cpu,
+        "db_cpu": _db_cpu,
     }
 
 

@@ -4,9 +4,12 @@ Every anarchon figure here is measured with the default settings (``MAX_WORKERS`
 ``POLL_INTERVAL`` 1 s, ``LEASE_TTL`` 30 s) and real ``manage.py anarchon`` processes; the
 references are APScheduler 3's BackgroundScheduler in one process, measured in the same run:
 
-* **cost**: CPU per run of the scheduler processes (user + system, every thread but the
-  benchmark's own probe, from ``/proc``) over the measured window, 100 jobs every second, a
-  trivial handler, one instance against APScheduler with its default pool (10 threads);
+* **cost**: CPU per run of the scheduler processes (every thread but the benchmark's own
+  probe, to the nanosecond from each thread's ``/proc`` schedstat) over the measured window, 100 jobs every second, a
+  trivial handler, one instance against APScheduler with its default pool (10 threads). The
+  CPU spent inside statements is measured apart (the probe's thread clock around each): on
+  SQLite it is the database's own work, done in the process, which PostgreSQL and MariaDB do
+  in their server, out of the figure;
 * **lateness**: 100 jobs every second, 1 and 3 instances, with the trivial handler (against
   APScheduler's default pool) and with a handler that writes one row with the ORM (against
   APScheduler with the same handler and 16 threads, the default ``MAX_WORKERS``). Cost and
@@ -74,7 +77,17 @@ def _pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One configuration's rounds as one measurement: latenesses pooled, counts and CPU summed."""
     late = [s for r in rounds for s in r.pop("_late_s")]
     result = dict(rounds[0])
-    for key in ("runs", "expected", "missing", "duplicates", "cpu_s", "takeovers", "log_errors", "unaccounted"):
+    for key in (
+        "runs",
+        "expected",
+        "missing",
+        "duplicates",
+        "cpu_s",
+        "db_cpu_s",
+        "takeovers",
+        "log_errors",
+        "unaccounted",
+    ):
         if key in result:
             result[key] = round(sum(r[key] for r in rounds), 3)
     for key in ("by_reason", "statuses"):
@@ -85,20 +98,33 @@ def _pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     result["completeness"] = round(result["runs"] / expected, 4) if expected else math.nan
     result["on_time"] = round(sum(r["on_time"] * r["expected"] for r in rounds) / expected, 4) if expected else math.nan
     result["cpu_per_run_ms"] = round(result["cpu_s"] / result["runs"] * 1000, 3) if result["runs"] else math.nan
+    if "db_cpu_s" in result:
+        result["db_cpu_per_run_ms"] = (
+            round(result["db_cpu_s"] / result["runs"] * 1000, 3) if result["runs"] else math.nan
+        )
     result["rounds"] = len(rounds)
     result["p99_ms_by_round"] = [r["p99_ms"] for r in rounds]
     return result
 
 
-def _scheduler_cpu_s(instances: list[Instance]) -> float:
-    """CPU seconds the instances have used so far, less their probe threads' (see benchapp/probe.py)."""
+def _cpu_marks(instances: list[Instance]) -> list[machine.CpuMark]:
+    return [machine.cpu_mark(instance.pid) for instance in instances]
+
+
+def _scheduler_cpu_s(instances: list[Instance], before: list[machine.CpuMark], after: list[machine.CpuMark]) -> float:
+    """CPU seconds the instances used between two marks, less their probe threads' (see benchapp/probe.py)."""
     total = 0.0
-    for instance in instances:
+    for instance, start, end in zip(instances, before, after, strict=True):
         probe = instance.probe() or {}
-        total += machine.process_cpu_s(instance.pid) or 0.0
-        if "probe_tid" in probe:
-            total -= machine.thread_cpu_s(instance.pid, probe["probe_tid"])
+        total += machine.cpu_used_s(start, end, leave_out=[probe["probe_tid"]] if "probe_tid" in probe else [])
     return total
+
+
+def _db_cpu(instances: list[Instance], after: float) -> tuple[float, float]:
+    """CPU seconds the instances have spent inside statements, by their first probes written after ``after``,
+    and the mean time of those probes (see benchapp/probe.py)."""
+    probes = [instance.fresh_probe(after) for instance in instances]
+    return sum(p.get("db_cpu", 0.0) for p in probes), sum(p["time"] for p in probes) / len(probes)
 
 
 def apscheduler(ctx: Context, jobs: int, handler: str, workers: int, duration: int) -> dict[str, Any]:
@@ -115,12 +141,12 @@ def apscheduler(ctx: Context, jobs: int, handler: str, workers: int, duration: i
         stdout=subprocess.DEVNULL,
     )
     sleep_until(first / 1000)
-    cpu_before = machine.process_cpu_s(process.pid) or 0.0
+    cpu_before = machine.cpu_mark(process.pid)
     sleep_until(end / 1000)
-    cpu_after = machine.process_cpu_s(process.pid) or cpu_before
+    cpu_after = machine.cpu_mark(process.pid)
     if process.wait(120) != 0:
         raise RuntimeError(f"the APScheduler reference exited with {process.returncode}")
-    result = _summary(recorder.read(folder), jobs, first, end, cpu_after - cpu_before)
+    result = _summary(recorder.read(folder), jobs, first, end, machine.cpu_used_s(cpu_before, cpu_after))
     return {"what": f"APScheduler 3, 1 process, {workers} threads, {handler} handler", "jobs": jobs, **result}
 
 
@@ -144,7 +170,8 @@ def anarchon(
         cluster.wait_ready(cluster.start(instances))
         first, end = window(duration)
         sleep_until(first / 1000)
-        cpu_before = _scheduler_cpu_s(cluster.instances)
+        cpu_before = _cpu_marks(cluster.instances)
+        db_before, db_from = _db_cpu(cluster.instances, first / 1000)
         dropped_at = None
         if pause_after is not None:
             sleep_until(first / 1000 + pause_after)
@@ -155,11 +182,16 @@ def anarchon(
             )
             dropped_at = int(time.time() * 1000)
         sleep_until(end / 1000)
-        cpu_after = _scheduler_cpu_s(cluster.instances)
+        cpu_after = _cpu_marks(cluster.instances)
+        db_after, db_until = _db_cpu(cluster.instances, end / 1000)
         sleep_until(end / 1000 + 2.0)
         errors = sum(i.output().count(" ERROR ") for i in cluster.instances)
     starts = recorder.read(folder)
-    result = _summary(starts, jobs, first, end, cpu_after - cpu_before)
+    result = _summary(starts, jobs, first, end, _scheduler_cpu_s(cluster.instances, cpu_before, cpu_after))
+    # The probes' snapshots come every half second: their rate, over the window's length.
+    db_cpu_s = (db_after - db_before) / max(db_until - db_from, 0.1) * (end - first) / 1000
+    result["db_cpu_s"] = round(db_cpu_s, 3)
+    result["db_cpu_per_run_ms"] = round(db_cpu_s / result["runs"] * 1000, 3) if result["runs"] else math.nan
     rows = Run.objects.filter(slot__gte=first, slot__lt=end, manual=False)
     result.update(
         {
