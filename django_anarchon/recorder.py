@@ -26,7 +26,6 @@ from typing import Any
 from django.db import connections
 
 from . import store
-from .clock import sleep
 from .dbtrouble import DbTrouble
 from .latch import Latch
 from .models import Run, Status
@@ -112,7 +111,8 @@ class Recorder:
         self._queue.put(ending)
 
     def hurry(self) -> None:
-        """Write the endings queued now at once, rather than after collecting others for ``COLLECT_S``."""
+        """Write the endings queued now at once, rather than after collecting others for ``COLLECT_S``,
+        or try again now a write that failed (rather than after its back-off)."""
         self._hurry.set()
 
     def record(self, ending: Ending) -> Any:
@@ -194,7 +194,10 @@ class Recorder:
                 # An ending past its lease races a backup's takeover for the row once the database is
                 # back: tried again four times a second rather than once.
                 racing = any(e.outlived_lease and not e.done.is_set() for e in pending)
-                sleep(min(self.trouble.backoff, OUTLIVED_RETRY_S if racing else 1.0))
+                # hurry() cuts the wait short: the loop calls it when its poll, which has just gone
+                # through, finds this instance's own ending run with its lease running out.
+                if self._hurry.wait(min(self.trouble.backoff, OUTLIVED_RETRY_S if racing else 1.0)):
+                    self._hurry.clear()
             else:
                 self.trouble.end_turn()
             pending = [ending for ending in pending if not ending.done.is_set()]

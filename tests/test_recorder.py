@@ -143,3 +143,43 @@ def test_an_end_whose_write_hangs_is_said_while_it_waits(
         release.set()
         assert ending.done.wait(5) and ending.result is True
         recorder.stop()
+
+
+def test_hurry_cuts_short_the_wait_before_an_end_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An end past its lease that the database refused is tried again after a back-off; hurry() (the loop's
+    poll has gone through and found the run's lease running out) tries it again at once, so that it races a
+    backup's takeover as early as the database answers."""
+    import threading
+    import time
+
+    from django.db import OperationalError
+
+    from django_anarchon import dbtrouble
+    from django_anarchon import recorder as recorder_module
+    from django_anarchon.recorder import Ending, Recorder
+
+    monkeypatch.setattr(dbtrouble.random, "uniform", lambda low, high: 1.0)  # back-offs 0.1, 0.2, 0.4, 0.8, 1.6 s
+    monkeypatch.setattr(recorder_module, "OUTLIVED_RETRY_S", 5.0)
+    tries: list[float] = []
+    up = threading.Event()
+
+    def finish_many(ids: Any, **kwargs: Any) -> set[int]:
+        tries.append(time.monotonic())
+        if not up.is_set():
+            raise OperationalError("server closed the connection unexpectedly")
+        return set(ids)
+
+    monkeypatch.setattr(store, "finish_many", finish_many)
+    recorder = Recorder("token", "hurry-rec", 1.0)
+    ending = Ending(run=Run(id=1, job="j", slot=1), lease_until=lambda: time.monotonic() - 1, status="success")
+    recorder.submit(ending)
+    try:
+        wait_for(lambda: len(tries) >= 5, 10, what="five refused tries")
+        up.set()
+        hurried = time.monotonic()
+        recorder.hurry()
+        assert ending.done.wait(0.5), "written at once, not after the 1.6 s back-off"
+        assert ending.result is True and tries[-1] - hurried < 0.5
+    finally:
+        up.set()
+        recorder.stop()
