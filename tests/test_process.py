@@ -217,6 +217,43 @@ def test_whole_cluster_down_over_slots_catches_up_the_latest_once(cluster: Clust
     assert Execution.objects.filter(job="every4", slot=caught.slot, reason="catch-up").count() == 1
 
 
+def test_after_the_whole_cluster_was_down_the_slot_due_with_the_catch_up_runs_after_it(cluster: Cluster) -> None:
+    """Helpers 29, 32, 34, 35: the instances back from an outage ran the newest missed slot as a catch-up
+    and recorded the slot due at the same moment skipped behind it. That slot now waits and runs after it.
+
+    POLL_INTERVAL 1 s makes the start-up grace 2 s, so that instances ready a moment after a slot
+    still claim it as current while its job's catch-up (a 1.5 s handler) runs."""
+    cluster.settings.update({"POLL_INTERVAL": 1.0, "LEASE_TTL": 6.0})
+    cluster.jobs = [{"name": "every4", "every": "4s", "kind": "sleep", "seconds": 1.5}]
+    launched = time.time()
+    first = cluster.start("solo")
+    cluster.wait_ready(first)
+    start_up = time.time() - launched
+    wait_for(lambda: Run.objects.filter(job="every4", status="success").exists(), 15, what="a first run")
+    down_from = max(r.slot for r in runs("every4"))
+    # Stopped between slots, once that run has ended: nothing is handed over.
+    time.sleep(max(0.0, down_from / 1000 + 2.5 - time.time()))
+    first.signal(signal.SIGTERM)
+    assert first.wait(20) == 0
+    # Back just after the third slot since: two are missed, the third is current. Ready up to 1.2 s
+    # early (the catch-up still runs at the slot) or 1.7 s late (within the grace), it is the same.
+    current = down_from + 12_000
+    time.sleep(max(0.0, current / 1000 + 0.3 - start_up - time.time()))
+    restarted = [cluster.start("again-1"), cluster.start("again-2")]
+    cluster.wait_ready(*restarted)
+    waited = wait_for(
+        lambda: Run.objects.filter(job="every4", slot=current, status="success").first(), 15, what="the current slot"
+    )
+    [caught] = Run.objects.filter(job="every4", reason="catch-up")
+    assert (caught.slot, caught.status) == (current - 4_000, "success")
+    assert waited.reason == "scheduled" and waited.attempt == 1
+    assert waited.detail.startswith("waited for the job's catch-up to end"), (waited.detail, cluster.logs())
+    assert waited.started_at >= caught.finished_at, "it started once the catch-up had ended"
+    skipped = list(Run.objects.filter(job="every4", status="skipped"))
+    assert not skipped, [(r.slot, r.detail) for r in skipped]
+    assert Execution.objects.filter(job="every4", slot=current, event="start").count() == 1
+
+
 def test_after_an_outage_every_slot_of_a_job_more_frequent_than_the_grace_is_accounted_for(cluster: Cluster) -> None:
     """At the default POLL_INTERVAL (1 s) a slot up to 2 s old still counts as current for an instance
     starting up: four slots of a 500 ms job. Only the newest is claimed as scheduled; those before it

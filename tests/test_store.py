@@ -1733,12 +1733,11 @@ def _begin(sqls: list[str]) -> int:
     raise AssertionError(f"no locking statement in {sqls}")
 
 
-def test_a_current_slot_decided_with_a_catch_up_of_its_skip_job_is_left_undecided_not_skipped() -> None:
+def test_a_current_slot_decided_with_a_catch_up_of_its_skip_job_waits_behind_it_not_skipped() -> None:
     """After an outage of the whole cluster, the first instance back claims the newest missed slot as a
     catch-up and the current slot in one transaction. The current slot was recorded skipped behind
-    the catch-up, a run that had not even started (helpers 29, 32, 34: after almost every outage). It
-    is now left undecided, and decided a moment later: run as scheduled once the catch-up has
-    ended, skipped if it is still running then."""
+    the catch-up, a run that had not even started (helpers 29, 32, 34, 35: after almost every outage).
+    It now waits behind the catch-up as a pending run, and runs as scheduled once the catch-up has ended."""
     job = make_job(every="1s")
     base = (int(time.time()) - 10) * 1000
     _ran(job, base)
@@ -1746,18 +1745,40 @@ def test_a_current_slot_decided_with_a_catch_up_of_its_skip_job_is_left_undecide
     outcome = decide([store.Claim(job, current)], [store.CatchUp(job, until=base + 7_000)], now_ms=current + 30)
     [caught] = outcome.won
     assert (caught.slot, caught.reason) == (base + 7_000, "catch-up")
-    assert outcome.skipped == [] and outcome.busy == ["job"]
-    assert not Run.objects.filter(slot=current).exists()
+    assert outcome.skipped == [] and outcome.busy == []
+    waiting = Run.objects.get(slot=current)
+    assert (waiting.status, waiting.reason, waiting.attempt) == ("pending", "scheduled", 1)
+    assert waiting.detail.startswith("waiting for the job's catch-up to end"), waiting.detail
+    assert store.poll().pending_jobs == ["job"]
+    held = store.claim_pending(["job"], {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=5)
+    assert held.won == [], "not while the catch-up runs"
     store.finish(caught.id, owner="me", status="success")
-    [run] = decide([store.Claim(job, current)], now_ms=current + 60).won
+    [run] = store.claim_pending(["job"], {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=5).won
     assert (run.slot, run.reason, run.status) == (current, "scheduled", "running")
+    assert run.detail.startswith("waited for the job's catch-up to end"), run.detail
 
 
-def test_a_current_slot_finds_a_catch_up_still_running_from_an_earlier_batch_and_is_skipped() -> None:
+def test_a_current_slot_finds_a_catch_up_still_running_from_an_earlier_batch_and_waits_behind_it() -> None:
+    """The same when the catch-up was decided first (an instance decides its catch-ups as it starts, and its
+    current slot at its first loop turn): the slot waits, and the one after it is skipped as usual."""
     job = make_job(every="1s")
     base = (int(time.time()) - 10) * 1000
     _ran(job, base)
     [caught] = decide([], [store.CatchUp(job, until=base + 7_000)], now_ms=base + 8_000).won
     assert caught.reason == "catch-up"
     outcome = decide([store.Claim(job, base + 8_000)], now_ms=base + 8_030)
-    assert outcome.won == [] and [r.slot for r in outcome.skipped] == [base + 8_000]
+    assert outcome.won == [] and outcome.skipped == []
+    assert Run.objects.get(slot=base + 8_000).status == "pending"
+    later = decide([store.Claim(job, base + 9_000)], now_ms=base + 9_030)
+    assert [r.slot for r in later.skipped] == [base + 9_000], "one slot waits, as under queue"
+    assert "was still running" in later.skipped[0].detail
+
+
+def test_a_slot_of_a_job_busy_with_a_scheduled_run_is_still_skipped() -> None:
+    """Only catch-ups make a slot wait: a job whose scheduled run runs skips its next slot as ever."""
+    job = make_job(every="1s")
+    base = (int(time.time()) - 10) * 1000
+    [running] = decide([store.Claim(job, base)], now_ms=base).won
+    assert running.reason == "scheduled"
+    outcome = decide([store.Claim(job, base + 1_000)], now_ms=base + 1_030)
+    assert [r.slot for r in outcome.skipped] == [base + 1_000]

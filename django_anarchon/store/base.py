@@ -42,9 +42,12 @@ CATCH_UP_LIMIT = 100
 # that still read "waiting for ..." looked, in the admin, as if the run had not started yet).
 WAITING_FOR_A_WORKER = "waiting for a free worker (MAX_WORKERS)"
 WAITING_FOR_THE_PREVIOUS_RUN = "waiting for the job's previous run to end (a catch-up)"
+# A skip job's slot that came due while its catch-up ran or waited after an outage (see claims._behind_catch_up).
+WAITING_FOR_THE_CATCH_UP = "waiting for the job's catch-up to end (the slot came due while it ran after an outage)"
 STARTED_AFTER_WAITING = {
     WAITING_FOR_A_WORKER: "waited for a free worker (MAX_WORKERS)",
     WAITING_FOR_THE_PREVIOUS_RUN: "waited for the job's previous run to end (a catch-up)",
+    WAITING_FOR_THE_CATCH_UP: "waited for the job's catch-up to end (the slot came due while it ran after an outage)",
 }
 
 

@@ -17,6 +17,7 @@ from . import statements
 from .base import (
     CATCH_UP_LIMIT,
     WAITING_FOR_A_WORKER,
+    WAITING_FOR_THE_CATCH_UP,
     WAITING_FOR_THE_PREVIOUS_RUN,
     Outcome,
     _busy_detail,
@@ -225,14 +226,13 @@ def _decide(
             if busy and now_ms is not None and claim.slot > now_ms:
                 outcome.early.append(claim)
                 continue
-            if busy and _behind_own_catch_up(claim, view):
-                # The cluster is back: this batch has just won a catch-up of the job, and its current
-                # slot would be recorded skipped behind a run that has not even started. Left
-                # undecided (looked at again in a moment, when a quick catch-up has ended) instead.
-                if job.name not in outcome.busy:
-                    outcome.busy.append(job.name)
-                continue
-            status, detail = _overlap(claim, view) if busy else (Status.RUNNING, "")
+            if busy and _behind_catch_up(claim, view):
+                # The cluster is back: the job's catch-up runs (or has just been won in this batch, or
+                # waits), and the slot that came due with it would be recorded skipped behind it. It
+                # waits behind the catch-up instead, and runs as scheduled once that has ended.
+                status, detail = Status.PENDING, WAITING_FOR_THE_CATCH_UP
+            else:
+                status, detail = _overlap(claim, view) if busy else (Status.RUNNING, "")
             if status == Status.RUNNING and budget <= 0:
                 if claim.reason != Reason.CATCH_UP:
                     outcome.deferred.append(claim)  # and under replace, the active run goes on
@@ -319,14 +319,23 @@ def _decide(
     return outcome
 
 
-def _behind_own_catch_up(claim: Claim, view: _JobView) -> bool:
-    """Whether ``claim``, a current slot of a ``skip`` job, finds it busy only with a catch-up won in this batch."""
+def _behind_catch_up(claim: Claim, view: _JobView) -> bool:
+    """Whether ``claim``, a scheduled slot of a busy ``skip`` job, waits for the job's catch-up rather than be skipped.
+
+    After an outage of the whole cluster the first instance back runs the job's newest missed
+    slot (every one, under ``catch_up="all"``), and the job's current slot comes due while that
+    runs: skipping it would leave the job run for a slot older than the one that is due. So the
+    first slot that finds the job busy with catch-ups only (running, or won in the same batch,
+    and any others waiting) waits behind them as a pending run, as a ``queue`` job's slot does;
+    the slots after it are skipped as usual, for it already waits.
+    """
     return (
         claim.job.overlap == "skip"
         and claim.reason == Reason.SCHEDULED
         and not claim.shed
         and bool(view.active)
-        and all(r.id is None and r.reason == Reason.CATCH_UP for r in view.active)
+        and all(r.reason == Reason.CATCH_UP for r in view.active)
+        and all(r.reason == Reason.CATCH_UP for r in view.queued)
     )
 
 
