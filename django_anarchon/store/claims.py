@@ -226,6 +226,7 @@ def _decide(
             if busy and now_ms is not None and claim.slot > now_ms:
                 outcome.early.append(claim)
                 continue
+            status: str
             if busy and _behind_catch_up(claim, view):
                 # The cluster is back: the job's catch-up runs (or has just been won in this batch, or
                 # waits), and the slot that came due with it would be recorded skipped behind it. It
