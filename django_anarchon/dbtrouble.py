@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import socket
 import threading
 import time
 import weakref
@@ -54,6 +55,63 @@ def errors_seen() -> int:
 def reset_connection(alias: str) -> None:
     """Drop this thread's connection to ``alias`` so that the next query reconnects."""
     drop_connection(connections[alias])
+
+
+def socket_of(connection: Any) -> int | None:
+    """The descriptor of the socket under ``connection`` (this thread's Django wrapper); None on SQLite.
+
+    The connection is opened if need be. Read before a statement that :func:`break_off` may have to
+    break off: a MySQL connection refuses to be asked anything, its descriptor included, while
+    another thread's statement runs on it.
+    """
+    if connection.vendor == "sqlite":
+        return None
+    connection.ensure_connection()
+    fileno = getattr(connection.connection, "fileno", None)
+    try:
+        descriptor = fileno() if fileno is not None else -1
+    except Exception:
+        return None
+    return descriptor if isinstance(descriptor, int) and descriptor >= 0 else None
+
+
+def break_off(descriptor: int) -> None:
+    """Make a statement waiting on the connection whose socket is ``descriptor`` fail at once.
+
+    The socket is shut down, through a duplicate of the descriptor (the driver keeps its own): the
+    waiting call finds the server gone and raises ``OperationalError``, and its thread drops the
+    connection (:func:`reset_connection`). A statement sent to a server that stopped answering (a
+    network that drops packets) would otherwise wait until it answers, however long. SQLite has no
+    socket, and its waits (for another connection's lock) are bounded by :func:`sqlite_wait`.
+    Best effort: a socket already closed is left as it is.
+    """
+    try:
+        with socket.fromfd(descriptor, socket.AF_INET, socket.SOCK_STREAM) as duplicate:
+            duplicate.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed meanwhile: nothing waits on it then
+
+
+@contextlib.contextmanager
+def sqlite_wait(connection: Any, seconds: float) -> Iterator[None]:
+    """On SQLite, let statements on ``connection`` (this thread's Django wrapper) wait for a lock at most ``seconds``.
+
+    SQLite waits for another connection's write lock in its busy handler, up to the busy timeout
+    (``OPTIONS["timeout"]``), and nothing interrupts that wait: the timeout is lowered for the
+    statements inside, then put back. Elsewhere, nothing changes.
+    """
+    if connection.vendor != "sqlite":
+        yield
+        return
+    connection.ensure_connection()
+    raw = connection.connection
+    (kept,) = raw.execute("PRAGMA busy_timeout").fetchone()
+    raw.execute(f"PRAGMA busy_timeout = {max(1, int(seconds * 1000))}")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # a connection that broke meanwhile is dropped by the caller
+            raw.execute(f"PRAGMA busy_timeout = {int(kept)}")
 
 
 def drop_connection(connection: Any) -> None:

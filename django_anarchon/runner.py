@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,7 +22,7 @@ from . import metrics, signals, store, taskjobs
 from .clock import Clock, sleep
 from .conf import check_json
 from .context import Context, make_context
-from .dbtrouble import reset_connection
+from .dbtrouble import break_off, reset_connection, socket_of, sqlite_wait
 from .models import Reason
 from .registry import returned_generator
 from .runs import ActiveRun, RunTable, log_fields
@@ -88,6 +89,33 @@ def _calls_for(wall: float, cpu: float, before: tuple[int, int] | None, after: t
         if after[1] != before[1]:
             return None
     return wall / max(cpu, 1e-6)
+
+
+@contextlib.contextmanager
+def _broken_off_when_aborted(active: ActiveRun, connection: Any) -> Iterator[None]:
+    """While inside, a run's signal aborting (but for ``stop()``) breaks off what waits on ``connection``.
+
+    After ``stop()`` the run is still this instance's until its handler returns, and a note saved
+    then is kept: that wait goes on. A fence, a lost lease or a timeout ends the run here, and a
+    statement still waiting on a database that stopped answering is broken off (see
+    :func:`dbtrouble.break_off`): the handler gets the signal's reason at once.
+    """
+    descriptor = socket_of(connection)
+    lock = threading.Lock()
+    inside = True
+
+    def interrupt() -> None:
+        with lock:
+            if inside and descriptor is not None and active.cause != "stop":
+                break_off(descriptor)
+
+    remove = active.signal.on_abort(interrupt)
+    try:
+        yield
+    finally:
+        with lock:
+            inside = False
+        remove()
 
 
 async def _invoke(handler: Callable[[Context], Any], ctx: Context) -> BaseException | None:
@@ -345,11 +373,20 @@ class Runner:
                 # so "on abort, save the note, then raise" works; after a timeout
                 # or a lost lease there is nothing left to write to.
                 active.signal.throw_if_aborted()
-            delay, give_up_at = SAVE_RETRY_S, time.monotonic() + self.table.settings.fence_after
+            fence_after = self.table.settings.fence_after
+            delay, give_up_at = SAVE_RETRY_S, time.monotonic() + fence_after
+            connection = connections[store.alias()]
             while True:
                 sent = time.monotonic()
                 try:
-                    ours = store.save_progress(run.id, value, owner=self.token, ttl=self.lease_ttl)
+                    # A database that stopped answering must not hold the handler past the moment its
+                    # run is fenced (or lost, or timed out): it would still be waiting here when a
+                    # backup starts the next attempt (helper 35).
+                    with (
+                        _broken_off_when_aborted(active, connection),
+                        sqlite_wait(connection, active.renewed_at + fence_after - sent),
+                    ):
+                        ours = store.save_progress(run.id, value, owner=self.token, ttl=self.lease_ttl)
                     break
                 except (OperationalError, InterfaceError):
                     # The database went away for a moment (a restart, a failover): the note waits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -175,3 +176,79 @@ def test_a_dead_connection_met_just_after_the_outage_is_no_new_outage_unless_it_
     recorder.end_turn()
     assert [w.split(" (")[0] for w in warnings(caplog)[2:]] == ["Database error on i-after in recorder",
                                                                   "Database is back on i-after"]  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_break_off_makes_a_statement_waiting_on_another_thread_fail_at_once() -> None:
+    """What a fenced handler's save_progress() relies on when the server stops answering: the statement
+    waiting on the connection is broken off from another thread (PostgreSQL, MariaDB); SQLite's wait for
+    a lock is bounded instead (sqlite_wait)."""
+    import sqlite3
+
+    from django.db import connection, connections
+
+    from django_anarchon.dbtrouble import break_off, socket_of, sqlite_wait
+    from tests.conftest import vendor
+
+    waited: list[float] = []
+    errors: list[BaseException] = []
+    ready = threading.Event()
+    sockets: list[int | None] = []
+    backends: list[int] = []
+
+    def wait_on_the_database() -> None:
+        mine = connections["default"]
+        sockets.append(socket_of(mine))
+        if vendor() == "postgresql":
+            backends.append(mine.connection.info.backend_pid)
+        elif vendor() == "mysql":
+            backends.append(mine.connection.thread_id())
+        began = time.monotonic()
+        try:
+            if vendor() == "sqlite":
+                with sqlite_wait(mine, 0.5), mine.cursor() as cursor:
+                    ready.set()
+                    cursor.execute("UPDATE django_anarchon_jobstate SET schedule = schedule")
+            else:
+                with mine.cursor() as cursor:
+                    ready.set()
+                    cursor.execute("SELECT pg_sleep(20)" if vendor() == "postgresql" else "SELECT SLEEP(20)")
+        except Exception as error:  # noqa: BLE001 - what it raises is the point
+            errors.append(error)
+        finally:
+            waited.append(time.monotonic() - began)
+            mine.close()
+
+    locker = None
+    if vendor() == "sqlite":
+        locker = sqlite3.connect(connection.settings_dict["NAME"], isolation_level=None)
+        locker.execute("BEGIN IMMEDIATE")  # another process's write lock: the UPDATE waits for it
+    thread = threading.Thread(target=wait_on_the_database)
+    thread.start()
+    try:
+        assert ready.wait(10)
+        time.sleep(0.3)
+        if sockets[0] is not None:
+            break_off(sockets[0])
+        thread.join(10)
+    finally:
+        if locker is not None:
+            locker.rollback()
+            locker.close()
+        with connection.cursor() as cursor:  # the server's side of the broken-off sleep: ended, not left to run
+            for backend in backends:
+                if vendor() == "postgresql":
+                    cursor.execute("SELECT pg_terminate_backend(%s)", [backend])
+                else:
+                    with contextlib.suppress(OperationalError):
+                        cursor.execute(f"KILL {int(backend)}")
+    assert errors and isinstance(errors[0], OperationalError), errors
+    assert waited[0] < 5, f"waited {waited[0]:.1f}s for a statement that should have been broken off"
+    assert (sockets[0] is None) == (vendor() == "sqlite")
+    if vendor() == "sqlite":
+        assert "locked" in str(errors[0])
+        with sqlite_wait(connection, 0.5), connection.cursor() as cursor:
+            pass
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA busy_timeout")
+            assert cursor.fetchone()[0] == 30_000, "the configured busy timeout is put back"

@@ -8,6 +8,7 @@ distributed guarantees across processes are in test_process.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -1486,6 +1487,75 @@ def test_save_progress_in_an_outage_gets_the_fence_not_the_database_error(
     sched.run_now("saves-in-outage")
     wait_for(lambda: raised, 10, what="save_progress() to give up")
     assert isinstance(raised[0], Interrupted) and "could not renew the lease" in str(raised[0]), raised
+
+
+def test_save_progress_held_by_a_database_that_stopped_answering_raises_at_the_fence(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Helper 35: with the database blackholed (or SQLite's write lock held elsewhere), the note's UPDATE
+    waited for it to answer, and the handler got the fence's Interrupted only then, about when a backup
+    started the next attempt. The wait is now broken off when the run is fenced."""
+    import sqlite3
+
+    from django.db import connection, connections
+
+    from tests.conftest import vendor
+
+    raised: list[tuple[BaseException, float]] = []
+    backends: list[int] = []
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("connection refused")
+
+    def hangs(*args: Any, **kwargs: Any) -> bool:
+        # A statement the server takes 20 s to answer, as one it never received would be.
+        mine = connections["default"]
+        mine.ensure_connection()
+        backends.append(mine.connection.info.backend_pid if vendor() == "postgresql" else mine.connection.thread_id())
+        with mine.cursor() as cursor:
+            cursor.execute("SELECT pg_sleep(20)" if vendor() == "postgresql" else "SELECT SLEEP(20)")
+        return True
+
+    locked = threading.Event()
+
+    def saves(ctx: Context) -> None:
+        monkeypatch.setattr(store, "renew", down)
+        if vendor() != "sqlite":
+            monkeypatch.setattr(store, "save_progress", hangs)
+        assert locked.wait(10)
+        began = time.monotonic()
+        try:
+            ctx.save_progress({"page": 1})
+        except BaseException as error:  # noqa: BLE001 - what it raises is the point
+            raised.append((error, time.monotonic() - began))
+            raise
+
+    sched.every("saves-in-silence", ON_DEMAND, saves)
+    start(sched)
+    locker = None
+    try:
+        if vendor() == "sqlite":
+            locker = sqlite3.connect(connection.settings_dict["NAME"], timeout=30, isolation_level=None)
+        run = sched.run_now("saves-in-silence")
+        wait_for(lambda: Run.objects.filter(pk=run.pk, status="running").exists(), 10, what="the run")
+        if locker is not None:
+            locker.execute("BEGIN IMMEDIATE")  # every write of the instance waits for it (30 s busy timeout)
+        locked.set()
+        wait_for(lambda: raised, 12, what="save_progress() to give up")
+    finally:
+        if locker is not None:
+            locker.rollback()
+            locker.close()
+        with connection.cursor() as cursor:
+            for backend in backends:  # the server's side of the broken-off sleep
+                if vendor() == "postgresql":
+                    cursor.execute("SELECT pg_terminate_backend(%s)", [backend])
+                else:
+                    with contextlib.suppress(OperationalError):
+                        cursor.execute(f"KILL {int(backend)}")
+    error, took = raised[0]
+    assert isinstance(error, Interrupted) and "could not renew the lease" in str(error), raised
+    assert took < 5, f"raised {took:.1f}s after the call, the fence comes at 80 % of a 2 s lease"
 
 
 def test_a_run_owed_the_room_takes_it_before_new_slots_as_soon_as_a_handler_returns(sched: Scheduler) -> None:
