@@ -118,14 +118,6 @@ def cpu_used_s(before: CpuMark, after: CpuMark, leave_out: Collection[int] = ())
     return sum(ns - before.threads.get(tid, 0) for tid, ns in after.threads.items() if tid not in leave_out) / 1e9
 
 
-def thread_cpu_s(pid: int, tid: int) -> float:
-    """CPU seconds one thread of a process has used so far (0.0 once it is gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def describe() -> dict[str, Any]:
     mem_kb = _first("/proc/meminfo", "MemTotal").split()[0]
     os_name = platform.freedesktop_os_release().get("PRETTY_NAME", platform.platform())

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,12 +11,12 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 
 ROOT = Path(__file__).resolve().parent.parent
 MANAGE = ROOT / "tests" / "manage.py"
@@ -144,6 +145,29 @@ def sqlite_write_lock_held() -> bool:
         return True
     finally:
         probe.close()
+
+
+def server_session(conn: Any) -> int | None:
+    """The server's id of a connection's session (PostgreSQL's backend pid, MySQL's thread id); None on SQLite."""
+    conn.ensure_connection()
+    if conn.vendor == "postgresql":
+        return int(conn.connection.info.backend_pid)
+    if conn.vendor == "mysql":
+        return int(conn.connection.thread_id())
+    return None
+
+
+def end_server_sessions(sessions: Iterable[int | None]) -> None:
+    """End the server's side of sessions whose client broke off a statement, rather than leave it to run."""
+    with connection.cursor() as cursor:
+        for session in sessions:
+            if session is None:
+                continue
+            if vendor() == "postgresql":
+                cursor.execute("SELECT pg_terminate_backend(%s)", [session])
+            else:
+                with contextlib.suppress(OperationalError):  # it has ended already
+                    cursor.execute(f"KILL {int(session)}")
 
 
 class Instance:

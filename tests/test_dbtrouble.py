@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -188,21 +187,18 @@ def test_break_off_makes_a_statement_waiting_on_another_thread_fail_at_once() ->
     from django.db import connection, connections
 
     from django_anarchon.dbtrouble import break_off, socket_of, sqlite_wait
-    from tests.conftest import vendor
+    from tests.conftest import end_server_sessions, server_session, vendor
 
     waited: list[float] = []
     errors: list[BaseException] = []
     ready = threading.Event()
     sockets: list[int | None] = []
-    backends: list[int] = []
+    backends: list[int | None] = []
 
     def wait_on_the_database() -> None:
         mine = connections["default"]
         sockets.append(socket_of(mine))
-        if vendor() == "postgresql":
-            backends.append(mine.connection.info.backend_pid)
-        elif vendor() == "mysql":
-            backends.append(mine.connection.thread_id())
+        backends.append(server_session(mine))
         began = time.monotonic()
         try:
             if vendor() == "sqlite":
@@ -235,13 +231,7 @@ def test_break_off_makes_a_statement_waiting_on_another_thread_fail_at_once() ->
         if locker is not None:
             locker.rollback()
             locker.close()
-        with connection.cursor() as cursor:  # the server's side of the broken-off sleep: ended, not left to run
-            for backend in backends:
-                if vendor() == "postgresql":
-                    cursor.execute("SELECT pg_terminate_backend(%s)", [backend])
-                else:
-                    with contextlib.suppress(OperationalError):
-                        cursor.execute(f"KILL {int(backend)}")
+        end_server_sessions(backends)
     assert errors and isinstance(errors[0], OperationalError), errors
     assert waited[0] < 5, f"waited {waited[0]:.1f}s for a statement that should have been broken off"
     assert (sockets[0] is None) == (vendor() == "sqlite")

@@ -8,7 +8,6 @@ distributed guarantees across processes are in test_process.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -1499,10 +1498,10 @@ def test_save_progress_held_by_a_database_that_stopped_answering_raises_at_the_f
 
     from django.db import connection, connections
 
-    from tests.conftest import vendor
+    from tests.conftest import end_server_sessions, server_session, vendor
 
     raised: list[tuple[BaseException, float]] = []
-    backends: list[int] = []
+    backends: list[int | None] = []
 
     def down(*args: Any, **kwargs: Any) -> Any:
         raise OperationalError("connection refused")
@@ -1510,8 +1509,7 @@ def test_save_progress_held_by_a_database_that_stopped_answering_raises_at_the_f
     def hangs(*args: Any, **kwargs: Any) -> bool:
         # A statement the server takes 20 s to answer, as one it never received would be.
         mine = connections["default"]
-        mine.ensure_connection()
-        backends.append(mine.connection.info.backend_pid if vendor() == "postgresql" else mine.connection.thread_id())
+        backends.append(server_session(mine))
         with mine.cursor() as cursor:
             cursor.execute("SELECT pg_sleep(20)" if vendor() == "postgresql" else "SELECT SLEEP(20)")
         return True
@@ -1546,13 +1544,7 @@ def test_save_progress_held_by_a_database_that_stopped_answering_raises_at_the_f
         if locker is not None:
             locker.rollback()
             locker.close()
-        with connection.cursor() as cursor:
-            for backend in backends:  # the server's side of the broken-off sleep
-                if vendor() == "postgresql":
-                    cursor.execute("SELECT pg_terminate_backend(%s)", [backend])
-                else:
-                    with contextlib.suppress(OperationalError):
-                        cursor.execute(f"KILL {int(backend)}")
+        end_server_sessions(backends)  # the server's side of the broken-off sleep
     error, took = raised[0]
     assert isinstance(error, Interrupted) and "could not renew the lease" in str(error), raised
     assert took < 5, f"raised {took:.1f}s after the call, the fence comes at 80 % of a 2 s lease"

@@ -226,14 +226,7 @@ def _decide(
             if busy and now_ms is not None and claim.slot > now_ms:
                 outcome.early.append(claim)
                 continue
-            status: str
-            if busy and _behind_catch_up(claim, view):
-                # The cluster is back: the job's catch-up runs (or has just been won in this batch, or
-                # waits), and the slot that came due with it would be recorded skipped behind it. It
-                # waits behind the catch-up instead, and runs as scheduled once that has ended.
-                status, detail = Status.PENDING, WAITING_FOR_THE_CATCH_UP
-            else:
-                status, detail = _overlap(claim, view) if busy else (Status.RUNNING, "")
+            status, detail = _overlap(claim, view) if busy else (Status.RUNNING, "")
             if status == Status.RUNNING and budget <= 0:
                 if claim.reason != Reason.CATCH_UP:
                     outcome.deferred.append(claim)  # and under replace, the active run goes on
@@ -364,7 +357,8 @@ def _left_no_turn(view: _JobView) -> list[int]:
 def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
     """What a slot of a busy job becomes under its overlap policy: (status, detail).
 
-    ``replace`` runs (the caller interrupts what runs); ``allow`` never gets here.
+    Under ``skip``, the slot that comes due while the job's catch-up runs waits behind it
+    (see :func:`_behind_catch_up`). ``replace`` runs (the caller interrupts what runs); ``allow`` never gets here.
     Under ``queue`` the job may have no active run, only a slot waiting to start.
     """
     if claim.wait:  # a catch-up: every missed slot it runs waits its turn, one after another
@@ -373,6 +367,8 @@ def _overlap(claim: Claim, view: _JobView) -> tuple[str, str]:
         return Status.SKIPPED, f"a run is already queued (slot {_iso(view.queued[0].slot)})"
     active = view.active[0]
     if claim.job.overlap == "skip":
+        if _behind_catch_up(claim, view):
+            return Status.PENDING, WAITING_FOR_THE_CATCH_UP
         return Status.SKIPPED, _busy_detail(active)
     if claim.job.overlap == "queue":
         return Status.PENDING, "queued: " + _busy_detail(active)
