@@ -10,6 +10,7 @@
 ``anarchon.W001``  an in-memory SQLite database (instances cannot share it).
 ``anarchon.W002``  a SQLite database not in WAL mode (instances block each other).
 ``anarchon.W003``  a task job's backend stores tasks outside the scheduler's database (at least once).
+``anarchon.W004``  MySQL/MariaDB cannot convert times to ``TIME_ZONE`` (no time zone tables: no date bar).
 =================  ==========================================================
 """
 
@@ -22,6 +23,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import DatabaseError, connections, router
 
 from .conf import parse, problems
+from .dbtime import converts_to
 from .exceptions import SettingsError
 
 
@@ -181,7 +183,29 @@ def check_mysql_time_zone(app_configs: Any = None, databases: Any = None, **kwar
                     id="anarchon.E002",
                 )
             )
+        messages.extend(_mysql_time_zone_tables(alias))
     return messages
+
+
+def _mysql_time_zone_tables(alias: str) -> list[CheckMessage]:
+    """A warning when the server cannot convert times to ``TIME_ZONE`` (its time zone tables are not loaded)."""
+    zone = str(settings.TIME_ZONE or "UTC")
+    try:
+        if not settings.USE_TZ or converts_to(connections[alias], zone):
+            return []
+    except DatabaseError:
+        return []
+    return [
+        Warning(
+            f"Database {alias!r}: the MySQL/MariaDB server cannot convert times to TIME_ZONE {zone!r}: "
+            "its time zone tables are not loaded.",
+            hint="Django converts times to the current time zone in SQL for the admin's date bar and for "
+            "__year/__month/__day lookups, and fails without them; the run history leaves its date bar out "
+            "meanwhile. Load them with: mariadb-tzinfo-to-sql /usr/share/zoneinfo | mariadb -u root mysql "
+            "(mysql_tzinfo_to_sql on MySQL).",
+            id="anarchon.W004",
+        )
+    ]
 
 
 def _sqlite_journal(alias: str) -> list[CheckMessage]:

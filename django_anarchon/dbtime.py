@@ -63,3 +63,20 @@ class NotBefore(Greatest):
 def db_not_before(moment: datetime) -> Greatest:
     """The later of the database clock and ``moment``."""
     return NotBefore(moment)
+
+
+def converts_to(connection: Any, zone: str) -> bool:
+    """Whether ``connection`` (a Django wrapper) can convert its times to the named time ``zone`` in SQL.
+
+    Django converts datetimes in SQL to truncate or extract them in the current time zone (the
+    admin's date bar, ``__year`` lookups): on MySQL/MariaDB with ``CONVERT_TZ``, which answers NULL
+    for a named zone unless the server's time zone tables are loaded, and Django then raises
+    ``ValueError("Database returned an invalid datetime value…")``. True on the other databases,
+    and where Django converts nothing (the zone is the connection's own).
+    """
+    if connection.vendor != "mysql" or not zone or zone == connection.timezone_name:
+        return True
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT CONVERT_TZ('2001-01-01 00:00:00', %s, %s)", [connection.timezone_name, zone])
+        row = cursor.fetchone()
+    return row is not None and row[0] is not None

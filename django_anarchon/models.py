@@ -13,6 +13,7 @@ from typing import Any
 from django.db import models, router
 from django.db.models.lookups import IContains, IEndsWith, IExact, IStartsWith
 from django.db.models.sql import Query
+from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from .dbtime import DbNow
@@ -207,7 +208,12 @@ class Run(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.job} @ {self.scheduled_at:%Y-%m-%d %H:%M:%S} #{self.attempt} ({self.status})"
+        # In the current time zone, as the admin shows every other time, and named: the admin's
+        # headings, its history and the instances page show this beside local times (helper 38).
+        moment = self.scheduled_at
+        if moment is not None and timezone.is_aware(moment):
+            moment = timezone.localtime(moment)
+        return f"{self.job} @ {moment:%Y-%m-%d %H:%M:%S %Z} #{self.attempt} ({self.status})"
 
     @property
     def is_active(self) -> bool:

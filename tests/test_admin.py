@@ -149,6 +149,36 @@ def test_run_history_pages_filters_search_and_date_hierarchy_render(admin_client
         assert value in page
 
 
+def test_run_history_leaves_its_date_bar_out_where_the_database_cannot_convert_times(
+    admin_client: Client, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Helper 38: on MariaDB without the server's time zone tables and a TIME_ZONE other than UTC, the
+    date bar's query raised (CONVERT_TZ answers NULL), and every page of the run history answered 500."""
+    from django.db import connection
+
+    from django_anarchon.admin import runs as run_admin
+    from django_anarchon.dbtime import converts_to
+
+    settings.TIME_ZONE = "Europe/Berlin"
+    run = make_run(at=datetime(2026, 12, 6, 20, 33, 20, tzinfo=UTC))
+    changelist = url("run_changelist")
+    converts = converts_to(connection, "Europe/Berlin")  # False on this machine's MariaDB, True elsewhere
+    for query in ("", f"?job={run.job}"):
+        response = admin_client.get(changelist + query)
+        assert response.status_code == 200, query
+        assert shown(response) == [run]
+        assert (response.context["cl"].date_hierarchy == "scheduled_at") is converts
+        assert ("The date bar is left out" in text(response)) is not converts
+
+    # Wherever the database cannot convert (as this machine's MariaDB cannot): the list, without the bar.
+    monkeypatch.setattr(run_admin, "converts_to", lambda connection, zone: False)
+    response = admin_client.get(changelist)
+    assert response.status_code == 200
+    assert shown(response) == [run]
+    assert response.context["cl"].date_hierarchy is None
+    assert "The date bar is left out" in text(response) and "Europe/Berlin" in text(response)
+
+
 def test_run_history_is_read_only_even_for_a_superuser(admin_client: Client) -> None:
     run = make_run(status=Status.FAILED, error_message="original")
     assert admin_client.get(url("run_add")).status_code == 403
@@ -168,6 +198,19 @@ def test_run_detail_shows_data_and_progress_as_pretty_json(admin_client: Client)
     page = text(admin_client.get(url("run_change", run.pk)))
     assert "<pre>{\n  &quot;bucket&quot;: &quot;exports&quot;,\n  &quot;n&quot;: 1\n}</pre>" in page
     assert "<pre>[\n  1,\n  2\n]</pre>" in page
+
+
+def test_a_runs_title_is_in_the_admins_time_zone_and_names_it(admin_client: Client, settings: Any) -> None:
+    """Helper 38: the heading, breadcrumb and history of a run showed its slot in UTC wall time,
+    beside fields shown in the admin's time zone, neither named."""
+    settings.TIME_ZONE = "Europe/Berlin"
+    run = make_run(at=datetime(2026, 12, 6, 20, 33, 20, tzinfo=timezone.utc))
+    assert str(run) == f"{run.job} @ 2026-12-06 21:33:20 CET #1 ({run.status})"
+    page = text(admin_client.get(url("run_change", run.pk)))
+    assert f"{run.job} @ 2026-12-06 21:33:20 CET" in page
+    assert "20:33:20" not in page
+    with django_timezone.override("UTC"):
+        assert str(run).startswith(f"{run.job} @ 2026-12-06 20:33:20 UTC #1")
 
 
 def test_user_with_view_permission_sees_runs_and_others_do_not(django_user_model: Any) -> None:
@@ -243,7 +286,8 @@ def test_jobs_list_creates_missing_rows_and_shows_schedules_due_times_and_last_r
     assert "every 10s" in page
     assert "At 06:00, on day 1 of the month (Europe/Paris; cron 0 6 1 * *)" in page
     due = datetime.fromtimestamp(jobs[CRON].schedule.next_after(int(datetime.now(UTC).timestamp() * 1000)) / 1000, UTC)
-    assert django_timezone.template_localtime(due).strftime("%Y-%m-%d %H:%M:%S") in page
+    local = django_timezone.template_localtime(due)
+    assert local.strftime("<span>%Y-%m-%d</span> <span>%H:%M:%S</span>") in page  # each kept whole
     assert f'href="{url("run_change", last.pk)}"' in page
     row = next(s for s in shown(response) if s.name == EVERY)
     assert row.last_run_pk == last.pk and row.last_run_status == Status.FAILED

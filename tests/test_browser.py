@@ -254,12 +254,20 @@ def drive_new_actions(page: Any, base: str, scheduler: subprocess.Popen[bytes], 
     # A job's own page: Pause… (asks why), then Resume; both in the job's history.
     page.goto(f"{base}/admin/django_anarchon/jobstate/heartbeat/change/")
     page.click("button.anarchon-pause")
-    page.fill("textarea[name=reason]", "browser test")
+    page.fill("textarea[name=reason]", "browser test: the supplier's API is down until the maintenance window ends")
     page.click("input[type=submit].default")
     assert "Paused heartbeat" in page.locator("ul.messagelist li.success").first.inner_text()
     assert page.locator("button.anarchon-resume").count() == 1
     page.goto(f"{base}/admin/django_anarchon/jobstate/")
     assert "paused" in page.locator("#result_list tr", has_text="heartbeat").first.inner_text()
+    # The jobs list fits a 1366 px window too, the pause note (its last but one column) included (helper 38).
+    overflow = page.evaluate("(r => r.scrollWidth - r.clientWidth)(document.querySelector('#changelist .results'))")
+    note_cell = page.locator("#result_list td.field-pause_note_shown", has_text="browser test").first.bounding_box()
+    results = page.locator("#changelist .results").first.bounding_box()
+    page.screenshot(path=str(ARTIFACTS / "admin-jobs-1366.png"), full_page=True)
+    assert overflow <= 0, f"the jobs list scrolls sideways in a 1366 px window ({overflow} px too wide)"
+    assert note_cell is not None and results is not None
+    assert note_cell["x"] + note_cell["width"] <= results["x"] + results["width"] + 1, "the pause note is cut"
     page.goto(f"{base}/admin/django_anarchon/jobstate/heartbeat/change/")
     page.click("button.anarchon-resume")
     assert "Resumed heartbeat" in page.locator("ul.messagelist li.success").first.inner_text()

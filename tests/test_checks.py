@@ -89,6 +89,33 @@ def test_e002_mysql_session_time_zone(request: pytest.FixtureRequest) -> None:
     assert "SET time_zone='+00:00'" in error.hint
 
 
+# -- W004 ------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_w004_mysql_without_time_zone_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Helper 38: with TIME_ZONE not UTC and no time zone tables on the server, the admin's run history
+    answered 500 on MariaDB, and no check said why."""
+    from django_anarchon import checks
+    from django_anarchon.dbtime import converts_to
+
+    with override_settings(TIME_ZONE="UTC"):  # the connection's own zone: nothing to convert anywhere
+        assert check_mysql_time_zone(databases=["default"]) == []
+    with override_settings(TIME_ZONE="Europe/Berlin"):
+        converts = converts_to(connection, "Europe/Berlin")
+        assert converts or connection.vendor == "mysql", "only MySQL/MariaDB convert times in SQL"
+        assert anarchon_ids(check_mysql_time_zone(databases=["default"])) == ([] if converts else ["anarchon.W004"])
+        if connection.vendor != "mysql":
+            return
+        monkeypatch.setattr(checks, "converts_to", lambda connection, zone: False)
+        [warning] = check_mysql_time_zone(databases=["default"])
+        assert isinstance(warning, Warning) and warning.id == "anarchon.W004"
+        assert "'default'" in warning.msg and "'Europe/Berlin'" in warning.msg and "time zone tables" in warning.msg
+        assert "mariadb-tzinfo-to-sql /usr/share/zoneinfo" in warning.hint
+        with override_settings(USE_TZ=False):  # Django converts nothing then (E001 says what is wrong)
+            assert check_mysql_time_zone(databases=["default"]) == []
+
+
 # -- E003 ------------------------------------------------------------------------------------
 
 

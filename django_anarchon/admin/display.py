@@ -69,11 +69,15 @@ def format_seconds(seconds: float) -> str:
 def when(moment: datetime) -> str:
     """``moment`` in the current time zone, to the second (a job's slots can be seconds apart).
 
-    On one line (admin.css), except in the run history's narrow columns, where the date and the time
-    may take two.
+    On one line (admin.css), except in the run history's and the jobs list's narrow columns, where
+    the date and the time may take two (each kept whole: a date is not broken at its hyphens).
     """
     local = django_timezone.localtime(moment) if django_timezone.is_aware(moment) else moment
-    return format_html('<span class="anarchon-time">{}</span>', dateformat.format(local, "Y-m-d H:i:s"))
+    return format_html(
+        '<span class="anarchon-time"><span>{}</span> <span>{}</span></span>',
+        dateformat.format(local, "Y-m-d"),
+        dateformat.format(local, "H:i:s"),
+    )
 
 
 def moment_column(field: str, description: Any) -> Callable[[Any, Model], str]:

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
+from django.db import connections, router
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.urls import path, reverse
+from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
@@ -18,9 +21,44 @@ from django.utils.translation import gettext_lazy as _
 import django_anarchon
 
 from .. import metrics, store
+from ..dbtime import converts_to
 from ..exceptions import UnknownJobError
 from ..models import JobState, Run, Status
 from .display import ReadOnlyAdmin, declared_job, format_seconds, moment_column, pretty_json, status_badge
+
+
+class RunChangeList(ChangeList):
+    """The run history's list: without its date bar where the database cannot convert times to the admin's time zone.
+
+    On MySQL/MariaDB without the server's time zone tables, and a time zone other than the
+    connection's, the date bar's query raises (``CONVERT_TZ`` answers NULL), and with it every page
+    of the history. The history is shown without the bar, and says why (``anarchon.W004`` too).
+    """
+
+    def __init__(
+        self,
+        request: HttpRequest,
+        model: Any,
+        list_display: Any,
+        list_display_links: Any,
+        list_filter: Any,
+        date_hierarchy: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        zone = timezone.get_current_timezone_name()
+        if date_hierarchy and not converts_to(connections[router.db_for_read(model)], zone):
+            date_hierarchy = None
+            messages.warning(
+                request,
+                gettext(
+                    "The date bar is left out: the database server cannot convert times to %(zone)s "
+                    "(its time zone tables are not loaded). Load them with "
+                    "“mariadb-tzinfo-to-sql /usr/share/zoneinfo | mariadb -u root mysql”."
+                )
+                % {"zone": zone},
+            )
+        super().__init__(request, model, list_display, list_display_links, list_filter, date_hierarchy, *args, **kwargs)
 
 
 @admin.register(Run)
@@ -48,6 +86,9 @@ class RunAdmin(ReadOnlyAdmin):
 
     class Media:
         css = {"all": ["django_anarchon/admin.css"]}
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return RunChangeList
 
     def get_urls(self) -> list[Any]:
         prefix = f"{self.opts.app_label}_{self.opts.model_name}"
