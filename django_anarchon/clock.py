@@ -24,22 +24,57 @@ def sleep(seconds: float) -> None:
 
 
 class Clock:
-    """Wall and monotonic time; ``offset_ms`` corrects the wall clock to the database's."""
+    """Wall and monotonic time; ``offset_ms`` corrects the wall clock to the database's.
+
+    Anchored (once the database's clock, another host's, has been measured: PostgreSQL, MySQL),
+    the corrected time runs on the monotonic clock from the last measurement of the database's: a
+    step of this host's wall clock (NTP, an operator, a resumed VM) between two loop turns, or a
+    wall clock running fast or slow against the monotonic one, moves no slot's start. Not anchored
+    (SQLite, whose clock is this host's and steps with it), it follows the wall clock.
+    """
 
     # A change of the wall clock against the monotonic one beyond this is a step
     # (NTP, an operator, a VM resumed), not drift.
     STEP_S = 0.05
 
     def __init__(self) -> None:
-        self.offset_ms = 0.0
-        self._wall_minus_monotonic = time.time() - time.monotonic()
+        self.anchored = False
+        self._wall_minus_monotonic = time.time() - time.monotonic()  # as stepped() last saw it
+        # (wall minus monotonic when the offset was measured, the offset), replaced as one: other
+        # threads read the time while the loop's thread measures.
+        self._reading = (self._wall_minus_monotonic, 0.0)
+
+    @property
+    def offset_ms(self) -> float:
+        """The database's clock minus this host's wall clock, in ms, as last measured."""
+        return self._reading[1]
 
     def now_ms(self) -> int:
         return int(self.exact_ms())
 
     def exact_ms(self) -> float:
         """The database-corrected time in ms, with the fraction (for waiting until an instant)."""
-        return time.time() * 1000 + self.offset_ms
+        anchor, offset_ms = self._reading
+        if self.anchored:
+            return (time.monotonic() + anchor) * 1000 + offset_ms
+        return time.time() * 1000 + offset_ms
+
+    def measured(self, offset_ms: float) -> None:
+        """The database's clock (another host's) was just measured ``offset_ms`` from this host's wall clock.
+
+        From now on the corrected time is anchored to the monotonic clock (see the class).
+        """
+        self._reading = (time.time() - time.monotonic(), offset_ms)
+        self.anchored = True
+
+    def follow_step(self, step_s: float) -> None:
+        """This host's wall clock was stepped by ``step_s`` and the database's was not: keep the corrected time.
+
+        Anchored, the corrected time never moved with the step (the anchor takes it in); otherwise
+        the offset takes it back.
+        """
+        anchor, offset_ms = self._reading
+        self._reading = (anchor + step_s, offset_ms - step_s * 1000)
 
     def monotonic(self) -> float:
         return time.monotonic()

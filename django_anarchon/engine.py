@@ -653,7 +653,7 @@ class Engine:
                 # measured again, the corrected time carries on as it was. Left as it was, a
                 # step made while the database is away would count from the step when it
                 # returns, and slots not yet due would look due (or missed) until measured.
-                self.clock.offset_ms -= step * 1000
+                self.clock.follow_step(step)
             self._clock_unsure = True
         if self._clock_unsure:
             # Again at every turn until a measurement succeeds (before the turn claims anything).
@@ -669,7 +669,7 @@ class Engine:
             after = time.time()
             if value is FAILED:
                 return False
-            self.clock.offset_ms = self.estimate.add(before, after, value.timestamp())
+            self.clock.measured(self.estimate.add(before, after, value.timestamp()))
         offset, warned = self.clock.offset_ms, self._skew_warned_ms
         if abs(offset) > SKEW_WARN_MS:
             # Said again when it changes by as much (a clock stepped or drifting further).

@@ -130,6 +130,13 @@ ROWS: list[tuple[str, str, str, Any]] = [
         ),
     ),
     (
+        "Clock stepped back and forth",
+        "the one instance's clock stepped 20 s back and forth 8 times while runs every 250 ms wait for their slots "
+        "(libfaketime)",
+        "clock_steps_back_and_forth",
+        lambda f: f"{f['runs']} runs, none early, none late: handler start − slot {lateness(f)}",
+    ),
+    (
         "Clock stepped in an outage",
         "NTP steps the one instance's clock 60 s forward while the database is down (libfaketime)",
         "clock_step_in_outage",

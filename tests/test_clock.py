@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from django_anarchon.clock import add_clock_sample, clock_offset
+from django_anarchon.clock import Clock, add_clock_sample, clock_offset
 from tests.conftest import FAKETIME_LIB
 
 
@@ -74,3 +74,52 @@ def test_sleeping_works_on_a_host_whose_clock_is_skewed_with_libfaketime() -> No
     assert "time.sleep fails" in done.stdout, f"libfaketime no longer breaks time.sleep: {done.stdout}"
     slept = float(done.stdout.split("slept ")[1])
     assert slept >= 0.049, f"sleep(0.05) returned after {slept}s"
+
+
+class _Time:
+    """A wall clock and a monotonic clock moved by hand (``django_anarchon.clock.time``)."""
+
+    def __init__(self, wall: float, monotonic: float) -> None:
+        self.wall, self.mono = wall, monotonic
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+
+def test_once_the_database_clock_is_measured_a_wall_clock_step_or_drift_moves_no_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Helper 37: a host clock stepped between two loop turns moved the corrected time until the loop
+    noticed (a slot up to a poll late, or a run released early), and one running 5 % fast started
+    handlers up to 29 ms before their slots. Measured against another host's database clock, the
+    corrected time runs on the monotonic clock from the measurement."""
+    from django_anarchon import clock as clock_module
+
+    fake = _Time(wall=1_000.0, monotonic=50.0)
+    monkeypatch.setattr(clock_module, "time", fake)
+    clock = Clock()
+    assert clock.exact_ms() == 1_000_000.0, "not measured yet (SQLite: the host's own clock): the wall clock"
+    fake.wall += 60.0
+    assert clock.exact_ms() == 1_060_000.0
+    fake.wall -= 60.0
+
+    clock.measured(2_000.0)  # the database's clock reads 2 s ahead of this host's wall clock
+    assert clock.exact_ms() == 1_002_000.0
+    fake.wall += 60.0  # stepped forward between two loop turns
+    assert clock.exact_ms() == 1_002_000.0, "a step moves nothing"
+    fake.mono += 1.0
+    fake.wall += 1.05  # and running 5 % fast
+    assert clock.exact_ms() == pytest.approx(1_003_000.0), "the monotonic second is the database's"
+    step = clock.stepped()  # the loop's next turn notices the step
+    assert step == pytest.approx(60.05)
+    clock.follow_step(step)
+    assert clock.exact_ms() == pytest.approx(1_003_000.0), "following the step keeps the corrected time"
+    assert clock.offset_ms == pytest.approx(2_000.0 - 60_050.0), "and the offset against the wall clock"
+    clock.measured(1_003_000.0 - fake.wall * 1000)  # measured again: what the database reads now
+    assert clock.exact_ms() == pytest.approx(1_003_000.0)
+    fake.mono += 2.0
+    fake.wall += 2.0
+    assert clock.exact_ms() == pytest.approx(1_005_000.0)

@@ -613,6 +613,55 @@ def test_a_clock_stepped_forward_under_a_running_instance_never_makes_it_claim_e
     report("clock_step", {"step_s": 6, "slots_after_step": len(after), "stepper_wins": len(won), "early_claims": 0})
 
 
+def test_a_clock_stepped_back_and_forth_under_a_running_instance_starts_no_run_early_or_late(
+    cluster: Cluster, events: Path, tmp_path: Path
+) -> None:
+    """Helper 37: between a step of the host's clock and the loop's next turn, the corrected time moved
+    with it, so a run already claimed started early (forward) or waited until the loop noticed (back).
+    It now runs on the monotonic clock from the last measurement of the database's."""
+    if vendor() == "sqlite":
+        pytest.skip("not applicable to SQLite: the database clock is the host's own, stepped with it")
+    assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run the clock-step test"
+    # Slots every 250 ms: nearly always a run is claimed and waits for its slot when a step comes.
+    cluster.jobs = [{"name": "quick", "every": "250ms", "kind": "record"}]
+    offset = tmp_path / "faketime.rc"
+    offset.write_text("+0\n")
+    stepper_env = {
+        "ANARCHON_TEST_EVENTS": str(events),
+        "LD_PRELOAD": str(FAKETIME_LIB),
+        "FAKETIME_TIMESTAMP_FILE": str(offset),
+        "FAKETIME_CACHE_DURATION": "1",  # see the test above
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "ANARCHON_LEASE_TTL": "30",
+        "ANARCHON_POLL_INTERVAL": "1",
+    }
+    stepper = cluster.start("stepper", extra_env=stepper_env)
+    cluster.wait_ready(stepper)
+    time.sleep(1.5)
+    wall_minus_monotonic = time.time() - time.monotonic()  # this process's clocks are not faked
+    first_step = time.time()
+    for shift in ["-20s", "+0", "+20s", "+0"] * 2:
+        offset.write_text(shift + "\n")
+        time.sleep(1.6)
+    stopping = time.time()
+    assert stop_all(cluster, [stepper]) == [0], cluster.logs()
+    assert stepper.output().count("clock was stepped by") >= 3, stepper.output()  # libfaketime merges a few
+    log = read_events(events)
+    assert_no_attempt_ran_twice(log)
+    starts = [e for e in log if e["event"] == "start" and first_step <= e["slot"] / 1000 < stopping - 0.5]
+    assert len(starts) >= 40, f"{len(starts)} runs started in the {stopping - first_step:.0f} s of steps"
+    # When each handler really started, against its slot: by the monotonic clock, which no step moved.
+    lateness = sorted((e["mono"] + wall_minus_monotonic) - e["slot"] / 1000 for e in starts)
+    early = [round(s, 3) for s in lateness if s < -0.005]
+    late = [round(s, 3) for s in lateness if s > 0.15]
+    assert not early, f"{len(early)} of {len(starts)} runs started before their slot (s): {early}"
+    assert not late, f"{len(late)} of {len(starts)} runs started late (s): {late}"
+    report(
+        "clock_steps_back_and_forth",
+        {"steps": 8, "runs": len(starts), "lateness": percentiles(lateness)},
+    )
+
+
 def test_a_clock_stepped_forward_while_the_database_is_away_never_runs_or_counts_slots_not_yet_due(
     cluster: Cluster, events: Path, tmp_path: Path
 ) -> None:

@@ -34,6 +34,8 @@ def record(ctx: Context, event: str, note: str = "") -> None:
             "pid": os.getpid(),
             "event": event,
             "at": time.time(),
+            # The host's monotonic clock, which a test's libfaketime leaves alone: the true time of the event.
+            "mono": time.monotonic(),
             "note": note,
         }
         with open(os.path.join(events, f"{os.getpid()}.jsonl"), "a") as handle:
