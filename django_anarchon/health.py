@@ -43,7 +43,7 @@ def unapplied_migrations(alias: str) -> list[str]:
     return [migration.name for migration, backwards in plan if migration.app_label == "django_anarchon"]
 
 
-def _absent_sqlite_file(alias: str) -> str | None:
+def absent_sqlite_file(alias: str) -> str | None:
     """The path of ``alias``'s SQLite file if it is one that does not exist (else None)."""
     settings = connections[alias].settings_dict
     name = str(settings.get("NAME") or "")
@@ -61,7 +61,7 @@ def check_health(instance_id: str | None = None) -> Health:
     database's when it last measured it.
     """
     alias = store.alias()
-    absent = _absent_sqlite_file(alias)
+    absent = absent_sqlite_file(alias)
     if absent is not None:  # connecting would make an empty one, and call it unmigrated
         return Health(False, f"the SQLite database file {absent} does not exist")
     try:

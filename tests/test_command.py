@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -139,11 +140,21 @@ def test_list_says_so_when_it_cannot_read_the_database(cluster: Cluster, tmp_pat
     if connection.vendor != "sqlite":
         pytest.skip("one database is enough to show it: a fresh SQLite file stands for an unreadable database")
     cluster.jobs = [{"name": "tick", "every": "1h", "kind": "record"}]
-    result = cluster.manage("anarchon", "--list", extra_env={"ANARCHON_TEST_DB_NAME": str(tmp_path / "none.sqlite3")})
+    empty = tmp_path / "empty.sqlite3"
+    sqlite3.connect(empty).close()  # a database never migrated
+    result = cluster.manage("anarchon", "--list", extra_env={"ANARCHON_TEST_DB_NAME": str(empty)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("tick") and "every 1h" in result.stdout
     assert "Could not read the database (OperationalError: no such table" in result.stderr
     assert "paused jobs are not marked PAUSED" in result.stderr
+    # A file that does not exist is not created, empty, by the listing (helper 37), as --check does not.
+    absent = tmp_path / "none.sqlite3"
+    result = cluster.manage("anarchon", "--list", extra_env={"ANARCHON_TEST_DB_NAME": str(absent)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("tick") and "every 1h" in result.stdout
+    assert f"the SQLite database file {absent} does not exist" in result.stderr
+    assert "paused jobs are not marked PAUSED" in result.stderr
+    assert not absent.exists(), "the listing created the database file"
 
 
 def test_an_instance_started_while_the_database_is_unreachable_runs_its_checks_once_it_is_back(

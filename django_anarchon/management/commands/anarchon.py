@@ -215,9 +215,13 @@ class Command(BaseCommand):
         if not jobs:
             self.stdout.write("No jobs are declared. Add a jobs.py to an installed app.")
             return
-        try:
-            from django_anarchon import store
+        from django_anarchon import store
+        from django_anarchon.health import absent_sqlite_file
 
+        absent = absent_sqlite_file(store.alias())
+        try:
+            if absent is not None:  # connecting would create an empty one (helper 37), as --check knows
+                raise DatabaseError(f"the SQLite database file {absent} does not exist")
             now = int(store.database_time().timestamp() * 1000)
             paused = self._paused_names()
         except DatabaseError as error:
