@@ -562,6 +562,24 @@ def test_a_skewed_clock_never_steals_a_live_lease_or_runs_a_slot_twice(
     )
 
 
+def _stepped_clock(tmp_path: Path, events: Path, **settings: str) -> tuple[Path, dict[str, str]]:
+    """A libfaketime clock file, at +0 to begin with, and the environment of an instance whose clock follows it."""
+    offset = tmp_path / "faketime.rc"
+    offset.write_text("+0\n")
+    env = {
+        "ANARCHON_TEST_EVENTS": str(events),
+        "LD_PRELOAD": str(FAKETIME_LIB),
+        "FAKETIME_TIMESTAMP_FILE": str(offset),
+        # Re-read the file at most once a second. With FAKETIME_NO_CACHE (every call reads
+        # it) libfaketime races itself: about one time() call in ten thousand, made while
+        # another thread reads the file, returns the host's unfaked time.
+        "FAKETIME_CACHE_DURATION": "1",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        **{f"ANARCHON_{name}": value for name, value in settings.items()},
+    }
+    return offset, env
+
+
 def test_a_clock_stepped_forward_under_a_running_instance_never_makes_it_claim_early(
     cluster: Cluster, events: Path, tmp_path: Path
 ) -> None:
@@ -570,21 +588,8 @@ def test_a_clock_stepped_forward_under_a_running_instance_never_makes_it_claim_e
     assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run the clock-step test"
     cluster.jobs = [{"name": "tick", "every": "1s", "kind": "record"}]
     env = {"ANARCHON_TEST_EVENTS": str(events)}
-    offset = tmp_path / "faketime.rc"
-    offset.write_text("+0\n")
-    stepper_env = {
-        **env,
-        "LD_PRELOAD": str(FAKETIME_LIB),
-        "FAKETIME_TIMESTAMP_FILE": str(offset),
-        # Re-read the file at most once a second. With FAKETIME_NO_CACHE (every call reads
-        # it) libfaketime races itself: about one time() call in ten thousand, made while
-        # another thread reads the file, returns the host's unfaked time.
-        "FAKETIME_CACHE_DURATION": "1",
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-        # Its regular clock measurement comes every 10 s: the step must be noticed sooner.
-        "ANARCHON_LEASE_TTL": "30",
-        "ANARCHON_POLL_INTERVAL": "1",
-    }
+    # Its regular clock measurement comes every 10 s: the step must be noticed sooner.
+    offset, stepper_env = _stepped_clock(tmp_path, events, LEASE_TTL="30", POLL_INTERVAL="1")
     honest = cluster.start("honest", extra_env=env)
     stepper = cluster.start("stepper", extra_env=stepper_env)
     cluster.wait_ready(honest, stepper)
@@ -624,17 +629,7 @@ def test_a_clock_stepped_back_and_forth_under_a_running_instance_starts_no_run_e
     assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run the clock-step test"
     # Slots every 250 ms: nearly always a run is claimed and waits for its slot when a step comes.
     cluster.jobs = [{"name": "quick", "every": "250ms", "kind": "record"}]
-    offset = tmp_path / "faketime.rc"
-    offset.write_text("+0\n")
-    stepper_env = {
-        "ANARCHON_TEST_EVENTS": str(events),
-        "LD_PRELOAD": str(FAKETIME_LIB),
-        "FAKETIME_TIMESTAMP_FILE": str(offset),
-        "FAKETIME_CACHE_DURATION": "1",  # see the test above
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-        "ANARCHON_LEASE_TTL": "30",
-        "ANARCHON_POLL_INTERVAL": "1",
-    }
+    offset, stepper_env = _stepped_clock(tmp_path, events, LEASE_TTL="30", POLL_INTERVAL="1")
     stepper = cluster.start("stepper", extra_env=stepper_env)
     cluster.wait_ready(stepper)
     time.sleep(1.5)
@@ -671,15 +666,7 @@ def test_a_clock_stepped_forward_while_the_database_is_away_never_runs_or_counts
         pytest.skip("not applicable to SQLite: the database clock is the host's own, stepped with it")
     assert FAKETIME_LIB.exists(), "apt-get install faketime (libfaketime) to run the clock-step test"
     cluster.jobs = [{"name": "tick", "every": "1s", "kind": "record"}]
-    offset = tmp_path / "faketime.rc"
-    offset.write_text("+0\n")
-    stepper_env = {
-        "ANARCHON_TEST_EVENTS": str(events),
-        "LD_PRELOAD": str(FAKETIME_LIB),
-        "FAKETIME_TIMESTAMP_FILE": str(offset),
-        "FAKETIME_CACHE_DURATION": "1",  # see the test above
-        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-    }
+    offset, stepper_env = _stepped_clock(tmp_path, events)
     stepper = cluster.start("stepper", extra_env=stepper_env)  # alone: it decides the catch-up
     cluster.wait_ready(stepper)
     time.sleep(1.5)
