@@ -841,6 +841,15 @@ def test_a_plain_callable_returning_a_coroutine_has_its_coroutine_awaited(sched:
     assert succeeded.status == "success" and succeeded.duration >= timedelta(milliseconds=40)
 
 
+async def _close_thread_sensitive_connections() -> None:
+    """Close the connection asgiref's thread-sensitive thread keeps (an ASGI server closes it at each
+    request's end): left open, the test database cannot be dropped at the end of the session."""
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    await sync_to_async(connections.close_all)()
+
+
 def test_arun_now_runs_thread_sensitive_as_djangos_own_async_orm_methods(sched: Scheduler) -> None:
     """On a pool thread each, concurrent calls left a connection open per thread (six under ASGI)."""
     threads: set[str] = set()
@@ -856,6 +865,7 @@ def test_arun_now_runs_thread_sensitive_as_djangos_own_async_orm_methods(sched: 
 
     async def calls() -> None:
         await asyncio.gather(*(sched.arun_now("known") for _ in range(8)))
+        await _close_thread_sensitive_connections()
 
     asyncio.run(calls())
     assert Run.objects.filter(job="known", manual=True).count() == 8
@@ -866,7 +876,14 @@ def test_arun_now_records_a_pending_manual_run(sched: Scheduler) -> None:
     import asyncio
 
     sched.every("known", ON_DEMAND, lambda ctx: None, data={"d": 1})
-    run = asyncio.run(sched.arun_now("known"))
+
+    async def call() -> Any:
+        try:
+            return await sched.arun_now("known")
+        finally:
+            await _close_thread_sensitive_connections()
+
+    run = asyncio.run(call())
     assert (run.status, run.reason, run.manual, run.data) == ("pending", "manual", True, {"d": 1})
 
 
