@@ -116,11 +116,17 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         self._configure_logging(options["verbosity"])
         skip_checks = bool(options.get("skip_checks"))
-        if options["list"]:  # (not --check: a probe reads the database and nothing else)
-            with contextlib.suppress(DatabaseError):  # what follows says the database is unreachable
-                self._system_checks(skip=skip_checks)
         if options["list"]:
-            self._list()
+            from django_anarchon import store
+            from django_anarchon.health import absent_sqlite_file
+
+            # Read before anything connects: connecting creates an empty SQLite file (helper 37), and
+            # Django 6.1's system checks connect (JSONField's), as --check knows.
+            absent = absent_sqlite_file(store.alias())
+            if absent is None:  # (not --check: a probe reads the database and nothing else)
+                with contextlib.suppress(DatabaseError):  # what follows says the database is unreachable
+                    self._system_checks(skip=skip_checks)
+            self._list(absent)
             return
         if options["check"]:
             self._check_health(options["instance_id"])
@@ -210,17 +216,16 @@ class Command(BaseCommand):
         logger.addHandler(handler)
         logger.setLevel(level)
 
-    def _list(self) -> None:
+    def _list(self, absent: str | None) -> None:
+        """The jobs; ``absent``: the SQLite file of the database, which does not exist (not to be created)."""
         jobs = scheduler.jobs
         if not jobs:
             self.stdout.write("No jobs are declared. Add a jobs.py to an installed app.")
             return
         from django_anarchon import store
-        from django_anarchon.health import absent_sqlite_file
 
-        absent = absent_sqlite_file(store.alias())
         try:
-            if absent is not None:  # connecting would create an empty one (helper 37), as --check knows
+            if absent is not None:
                 raise DatabaseError(f"the SQLite database file {absent} does not exist")
             now = int(store.database_time().timestamp() * 1000)
             paused = self._paused_names()
