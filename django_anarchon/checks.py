@@ -199,10 +199,10 @@ def _mysql_time_zone_tables(alias: str) -> list[CheckMessage]:
         Warning(
             f"Database {alias!r}: the MySQL/MariaDB server cannot convert times to TIME_ZONE {zone!r}: "
             "its time zone tables are not loaded.",
-            hint="Django converts times to the current time zone in SQL for the admin's date bar and for "
-            "__year/__month/__day lookups, and fails without them; the run history leaves its date bar out "
-            "meanwhile. Load them with: mariadb-tzinfo-to-sql /usr/share/zoneinfo | mariadb -u root mysql "
-            "(mysql_tzinfo_to_sql on MySQL).",
+            hint="Django converts times to the current time zone in SQL for the admin's date bar (which "
+            "fails without them: the run history leaves it out meanwhile) and for __year/__month/__day "
+            "lookups (which find nothing). Load them with: "
+            "mariadb-tzinfo-to-sql /usr/share/zoneinfo | mariadb -u root mysql (mysql_tzinfo_to_sql on MySQL).",
             id="anarchon.W004",
         )
     ]

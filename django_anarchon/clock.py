@@ -38,24 +38,28 @@ class Clock:
     STEP_S = 0.05
 
     def __init__(self) -> None:
-        self.anchored = False
         self._wall_minus_monotonic = time.time() - time.monotonic()  # as stepped() last saw it
-        # (wall minus monotonic when the offset was measured, the offset), replaced as one: other
-        # threads read the time while the loop's thread measures.
-        self._reading = (self._wall_minus_monotonic, 0.0)
+        # (anchored, wall minus monotonic when the offset was measured, the offset), replaced as
+        # one: other threads read the time while the loop's thread measures.
+        self._reading = (False, self._wall_minus_monotonic, 0.0)
+
+    @property
+    def anchored(self) -> bool:
+        """Whether the corrected time runs on the monotonic clock (see the class)."""
+        return self._reading[0]
 
     @property
     def offset_ms(self) -> float:
         """The database's clock minus this host's wall clock, in ms, as last measured."""
-        return self._reading[1]
+        return self._reading[2]
 
     def now_ms(self) -> int:
         return int(self.exact_ms())
 
     def exact_ms(self) -> float:
         """The database-corrected time in ms, with the fraction (for waiting until an instant)."""
-        anchor, offset_ms = self._reading
-        if self.anchored:
+        anchored, anchor, offset_ms = self._reading
+        if anchored:
             return (time.monotonic() + anchor) * 1000 + offset_ms
         return time.time() * 1000 + offset_ms
 
@@ -64,8 +68,7 @@ class Clock:
 
         From now on the corrected time is anchored to the monotonic clock (see the class).
         """
-        self._reading = (time.time() - time.monotonic(), offset_ms)
-        self.anchored = True
+        self._reading = (True, time.time() - time.monotonic(), offset_ms)
 
     def follow_step(self, step_s: float) -> None:
         """This host's wall clock was stepped by ``step_s`` and the database's was not: keep the corrected time.
@@ -73,8 +76,8 @@ class Clock:
         Anchored, the corrected time never moved with the step (the anchor takes it in); otherwise
         the offset takes it back.
         """
-        anchor, offset_ms = self._reading
-        self._reading = (anchor + step_s, offset_ms - step_s * 1000)
+        anchored, anchor, offset_ms = self._reading
+        self._reading = (anchored, anchor + step_s, offset_ms - step_s * 1000)
 
     def monotonic(self) -> float:
         return time.monotonic()

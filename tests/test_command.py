@@ -155,6 +155,12 @@ def test_list_says_so_when_it_cannot_read_the_database(cluster: Cluster, tmp_pat
     assert f"the SQLite database file {absent} does not exist" in result.stderr
     assert "paused jobs are not marked PAUSED" in result.stderr
     assert not absent.exists(), "the listing created the database file"
+    # The checks that need no database still run then (they were all left out): a job declared wrong.
+    cluster.jobs = [{"name": "tick", "every": "0s", "kind": "record"}]
+    result = cluster.manage("anarchon", "--list", extra_env={"ANARCHON_TEST_DB_NAME": str(absent)})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "anarchon.E005" in result.stderr and "'tick'" in result.stderr
+    assert not absent.exists(), "the checks created the database file"
 
 
 def test_an_instance_started_while_the_database_is_unreachable_runs_its_checks_once_it_is_back(
