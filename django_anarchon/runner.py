@@ -442,6 +442,8 @@ class Runner:
             result = active.job.handler(ctx)
         except BaseException as error:  # noqa: B036 - every ending is recorded, none escapes
             return error
+        if result is None:
+            return None  # most handlers: nothing to look into
         if (refused := returned_generator(active.run.job, result)) is not None:
             return refused
         if result is not None and inspect.isawaitable(result):
