@@ -198,6 +198,40 @@ def test_a_hand_over_of_the_last_allowed_attempt_records_the_slot_failed() -> No
     assert Run.objects.count() == 1
 
 
+def test_a_hand_over_on_sqlite_takes_the_write_lock_first_so_another_process_writing_meanwhile_is_waited_for() -> None:
+    """Its transaction read first (the attempt, for MAX_ATTEMPTS) and wrote after: on SQLite, another
+    process's commit in between made the write fail at once with "database is locked", whatever the
+    busy timeout (a stale read snapshot cannot be waited out), and the recorder logged a database error
+    at every stop beside a second instance (helper 40)."""
+    import sqlite3
+
+    if vendor() != "sqlite":
+        pytest.skip("SQLite's read-then-write upgrade; the other databases lock the row")
+    job = make_job()
+    [run] = decide([store.Claim(job, SLOT)]).won
+    other = sqlite3.connect(connection.settings_dict["NAME"], timeout=0.2, isolation_level=None)
+    wrote: list[bool] = []
+
+    def after_the_first_statement(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        result = execute(sql, params, many, context)
+        if not wrote and not sql.startswith(("BEGIN", "SAVEPOINT")):
+            # Another process commits between this transaction's first statement and the rest.
+            try:
+                other.execute("UPDATE django_anarchon_jobstate SET lock_seq = lock_seq + 1")
+                wrote.append(True)
+            except sqlite3.OperationalError:  # the hand-over holds the write lock: it waits for it
+                wrote.append(False)
+        return result
+
+    try:
+        with connection.execute_wrapper(after_the_first_statement):
+            old, new = store.hand_over(run.id, owner="me", detail="stopping", max_attempts=5)
+    finally:
+        other.close()
+    assert wrote == [False], "the other process wrote inside the hand-over's transaction"
+    assert old.status == "interrupted" and new is not None and new.attempt == 2
+
+
 def test_attempts_exhausted_is_public_and_an_anarchon_error() -> None:
     from django_anarchon import AnarchonError
     from django_anarchon import AttemptsExhausted as public

@@ -124,13 +124,11 @@ def hand_over(
     whether its handler was called (if not, the attempt gets no start time).
     """
     with transaction.atomic(using=alias()):
+        # The write comes first: on SQLite it takes the database's write lock, which another
+        # process's commit is waited out for (the busy timeout). A read first would have begun a
+        # snapshot that such a commit makes stale, and the write after it fail at once with
+        # "database is locked" (helper 40: at a stop beside a second instance).
         held = _held(owner).filter(id=run_id)
-        if max_attempts is not None:
-            attempt = held.filter(attempt__gte=max_attempts).values_list("attempt", flat=True).first()
-            if attempt is not None and held.update(
-                **_give_up_values(attempt, max_attempts, "stopped with its instance")
-            ):
-                return _runs().get(id=run_id), None
         won = held.update(
             status=Status.INTERRUPTED,
             finished_at=DbNow(),
@@ -145,6 +143,9 @@ def hand_over(
         if not won:
             return None
         old = _runs().get(id=run_id)
+        if max_attempts is not None and old.attempt >= max_attempts:
+            _runs().filter(id=run_id).update(**_give_up_values(old.attempt, max_attempts, "stopped with its instance"))
+            return _runs().get(id=run_id), None
         new = _next_attempt(old, owner="", instance_id="", ttl=0, start=False)
         notify("handover")
     return old, new
