@@ -249,7 +249,10 @@ def test_after_the_whole_cluster_was_down_the_slot_due_with_the_catch_up_runs_af
     assert waited.reason == "scheduled" and waited.attempt == 1
     assert waited.detail.startswith("waited for the job's catch-up to end"), (waited.detail, cluster.logs())
     assert waited.started_at >= caught.finished_at, "it started once the catch-up had ended"
-    skipped = list(Run.objects.filter(job="every4", status="skipped"))
+    # Up to the current slot. The one after it may be skipped, rightly, on a machine so busy that the
+    # instances came back late in the grace: the current slot's run, started after the catch-up's,
+    # then still runs at the next slot (seen in CI with other work on both cores).
+    skipped = list(Run.objects.filter(job="every4", status="skipped", slot__lte=current))
     assert not skipped, [(r.slot, r.detail) for r in skipped]
     assert Execution.objects.filter(job="every4", slot=current, event="start").count() == 1
 
