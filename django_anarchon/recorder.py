@@ -56,7 +56,7 @@ class Ending:
     then: Callable[[Any], None] | None = None  # called with the result once settled (recorder's thread)
     status: str = ""
     hand_over: bool = False
-    started: bool = True  # whether the handler was called (a hand-over of one that was not has no start time)
+    started: bool = True  # whether the handler was called (if not, the row keeps no start time)
     max_attempts: int | None = None
     # When the handler started, if well after the claim's started_at (it waited for a worker): written with the end.
     started_at: datetime | None = None
@@ -234,7 +234,11 @@ class Recorder:
         successes = [
             e
             for e in endings
-            if e.status == Status.SUCCESS and not e.hand_over and e.started_at is None and not e.done.is_set()
+            if e.status == Status.SUCCESS
+            and e.started
+            and not e.hand_over
+            and e.started_at is None
+            and not e.done.is_set()
         ]
         if successes:
             try:
@@ -306,4 +310,11 @@ class Recorder:
                 max_attempts=ending.max_attempts,
                 started=ending.started,
             )
-        return store.finish(run_id, owner=self.token, status=ending.status, started_at=ending.started_at, **texts)
+        return store.finish(
+            run_id,
+            owner=self.token,
+            status=ending.status,
+            started_at=ending.started_at,
+            started=ending.started,
+            **texts,
+        )

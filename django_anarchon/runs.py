@@ -551,6 +551,7 @@ class RunTable:
 
     def _ending(self, active: ActiveRun, then: Any, **fields: Any) -> Ending:
         ttl = self.settings.lease_ttl
+        fields.setdefault("started", active.ran)  # a run withdrawn before its slot keeps no start time
         return Ending(
             run=active.run,
             lease_until=lambda: active.renewed_at + ttl,
@@ -609,6 +610,8 @@ class RunTable:
             run.error_type, run.error_message, run.traceback = texts
             run.detail = detail or run.detail
             run.finished_at = datetime.now(UTC)  # the row holds the database's clock; receivers get ours
+            if not active.ran:
+                run.started_at = None  # withdrawn before its slot: the start its claim planned never came
             if status != Status.SKIPPED:  # skipped slots are counted as such (below), not as runs
                 metrics.RUNS.labels(run.job, status).inc()
             if active.ran:

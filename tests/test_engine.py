@@ -396,10 +396,14 @@ def test_a_pause_between_a_claim_and_its_slot_withdraws_the_run(
         lambda: Run.objects.filter(pk=ahead.pk, status="skipped").first(), 3, interval=0.01, what="its record"
     )
     assert row.detail == "the job was paused before its slot" and row.slot == ahead.slot
+    # Its handler never started: no start time (the claim's, the slot, showed in the admin as a start
+    # and a duration of 0.00 s, helper 41).
+    assert row.started_at is None and row.finished_at is not None
     time.sleep(max(0.0, ahead.slot / 1000 + 0.3 - time.time()))
     assert ahead.slot not in started, "withdrawn before its slot: never started"
     skipped = wait_for(lambda: received["run_skipped"].calls, 2, what="run_skipped")
     assert [call["run"].slot for call in skipped] == [ahead.slot]
+    assert skipped[0]["run"].started_at is None
     assert not received["run_started"].calls or all(c["run"].slot < ahead.slot for c in received["run_started"].calls)
     time.sleep(1.2)
     assert not Run.objects.filter(job="soon", slot__gt=ahead.slot).exists(), "paused: no later slot decided"

@@ -992,6 +992,31 @@ def test_catch_up_all_runs_every_missed_slot_in_order_one_at_a_time() -> None:
     assert [r.slot for r in nxt.won] == [SLOT + 20_000], "oldest first, one at a time"
 
 
+def test_a_second_outages_catch_ups_wait_behind_the_first_outages_still_waiting() -> None:
+    """catch_up="all" runs every missed slot oldest first. With the first outage's catch-ups still
+    waiting (none running: the cluster went down again before they ran), the second outage's first
+    catch-up found the job free and ran at once, ahead of them (helper 41: 5 of 8 tries)."""
+    job = make_job(every="10s", catch_up="all")
+    _ran(job, SLOT)
+    first = decide([], [store.CatchUp(job, until=SLOT + 30_000)])
+    store.finish(first.won[0].id, owner="me", status="success")  # ran; SLOT+20s and +30s still wait
+    assert list(Run.objects.filter(status="pending").values_list("slot", flat=True).order_by("slot")) == [
+        SLOT + 20_000,
+        SLOT + 30_000,
+    ]
+    # The cluster went down again before those ran; the instance back catches up what it missed since.
+    second = decide([], [store.CatchUp(job, until=SLOT + 60_000)], owner="back")
+    assert second.won == [], "a newer missed slot ran before older ones still waiting"
+    waiting = Run.objects.filter(status="pending", reason="catch-up").order_by("slot")
+    assert [r.slot for r in waiting] == [SLOT + n * 10_000 for n in (2, 3, 4, 5, 6)]
+    order = []
+    for _ in range(5):
+        [nxt] = store.claim_pending(["job"], {"job": job}, owner="me", instance_id="i", ttl=TTL, capacity=10).won
+        order.append(nxt.slot)
+        store.finish(nxt.id, owner="me", status="success")
+    assert order == sorted(order), "oldest first, one at a time"
+
+
 def test_a_catch_up_waits_for_a_run_left_from_before_the_outage_rather_than_be_skipped() -> None:
     """Killed mid-run with the whole cluster: the run is still on record as running when the first
     instance comes back. The missed slot is owed a run after it (overlap="skip", catch_up="latest")."""
@@ -1360,6 +1385,24 @@ def test_pending_catch_up_of_a_paused_job_is_skipped_but_manual_runs_still_run()
     )
     assert [r.id for r in outcome.won] == [manual.id]
     assert sorted(r.slot for r in outcome.skipped) == [SLOT + 20_000, SLOT + 30_000]
+
+
+def test_a_paused_jobs_handed_over_attempt_runs_only_if_its_handler_had_started() -> None:
+    """Stopped before its slot, a run is handed over never started; the job paused since, its next
+    attempt still ran, the first run of that slot, while the job was paused (helper 41). It is
+    recorded skipped now, as the run would have been withdrawn had its instance lived. An attempt
+    whose handler had started before the pause carries on its work, as a takeover after a crash does."""
+    job = make_job(every="10s")
+    due = (int(time.time()) - 5) * 1000  # due already: "began" started its handler at the slot
+    [never, began] = decide([store.Claim(job, due), store.Claim(make_job("other", every="10s"), due)]).won
+    jobs = {"job": job, "other": make_job("other", every="10s")}
+    store.hand_over(never.id, owner="me", detail="stopping", started=False)
+    store.hand_over(began.id, owner="me", detail="stopping")
+    JobState.objects.filter(name__in=["job", "other"]).update(paused=True)
+    outcome = store.claim_pending(["job", "other"], jobs, owner="b", instance_id="ib", ttl=TTL, capacity=5)
+    assert [(r.job, r.attempt) for r in outcome.won] == [("other", 2)]
+    assert [(r.job, r.attempt, r.detail) for r in outcome.skipped] == [("job", 2, "the job is paused")]
+    assert Run.objects.get(job="job", attempt=2).status == "skipped"
 
 
 def test_manual_runs_in_the_same_millisecond_get_distinct_slots() -> None:

@@ -221,8 +221,12 @@ def _decide(
                 taken.add((job.name, claim.slot))
                 continue
             # Busy: a run of the job runs (or waits for its next attempt); under "queue", a slot
-            # already waiting holds back a new one too, so that it is not overtaken by it.
-            busy = job.overlap != "allow" and bool(view.active or (job.overlap == "queue" and view.queued))
+            # already waiting holds back a new one too, so that it is not overtaken by it. So does
+            # a slot waiting its turn hold back a catch-up, which runs in slot order after it: an
+            # earlier outage's catch-ups still waiting when the cluster went down again (helper 41).
+            # (A manual run waiting does not: it is no slot of the schedule.)
+            waiting = job.overlap == "queue" or (claim.wait and any(not r.manual for r in view.queued))
+            busy = job.overlap != "allow" and bool(view.active or (waiting and view.queued))
             if busy and now_ms is not None and claim.slot > now_ms:
                 outcome.early.append(claim)
                 continue

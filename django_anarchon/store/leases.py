@@ -180,11 +180,13 @@ def finish(
     traceback: str = "",
     detail: str = "",
     started_at: datetime | None = None,
+    started: bool = True,
 ) -> bool:
     """Record the outcome of a run we hold; False if it is no longer ours to record.
 
     ``started_at``: when its handler started, where that was well after the claim's
-    ``started_at`` (the run waited for a worker).
+    ``started_at`` (the run waited for a worker). ``started`` False: its handler was never
+    called (withdrawn before its slot), and the start its claim planned is cleared.
 
     The UPDATE requires our token and status ``running``, so a run that was
     taken over or replaced (marked ``interrupted`` under the row's lock) changes
@@ -194,7 +196,9 @@ def finish(
     already written by us and still answers True.
     """
     texts = {"error_type": error_type[:255], "error_message": error_message, "traceback": traceback, "detail": detail}
-    done = statements.end_held([run_id], owner=owner, status=status, texts=texts, started_at=started_at)
+    done = statements.end_held(
+        [run_id], owner=owner, status=status, texts=texts, started_at=started_at, clear_start=not started
+    )
     return bool(done) or _runs().filter(id=run_id, owner=owner, status=status, lease_expires_at=None).exists()
 
 

@@ -79,7 +79,15 @@ def claim_pending(
         for name in names:
             job, view, paused = jobs[name], views[name], states[name].paused
             for row in view.active:
-                if row.status == Status.PENDING and budget > 0:  # handed over: already admitted
+                if row.status != Status.PENDING:
+                    continue
+                if paused and not row.manual and not _previous_attempt_started(row):
+                    # Handed over before its handler started (stopped before its slot): the first
+                    # run of its slot would start while the job is paused (helper 41), where its
+                    # instance, had it lived, would have withdrawn it. One whose handler had
+                    # started carries on its work, as a takeover after a crash does.
+                    pause_skips.append(row.id)  # type: ignore[arg-type]
+                elif budget > 0:  # handed over: already admitted
                     chosen.append(row)
                     budget -= 1
             started_here = False
@@ -126,6 +134,13 @@ def claim_pending(
             if won:
                 outcome.won.append(_runs().get(id=row.id))
     return outcome
+
+
+def _previous_attempt_started(row: Run) -> bool:
+    """Whether the attempt before ``row`` (a handed-over attempt) called its handler (a hand-over of
+    one that did not leaves it no start time; see :func:`.leases.hand_over`)."""
+    previous = _runs().filter(job=row.job, slot=row.slot, attempt=row.attempt - 1, manual=row.manual)
+    return previous.filter(started_at__isnull=False).exists()
 
 
 def cancel_pending(ids: Iterable[int], detail: str) -> list[Run]:

@@ -789,6 +789,7 @@ def end_held(
     status: str,
     texts: dict[str, str] | None = None,
     started_at: datetime | None = None,
+    clear_start: bool = False,
 ) -> int:
     """Mark the runs ``ids`` that ``owner`` still holds as ended with ``status``; the number changed.
 
@@ -797,7 +798,7 @@ def end_held(
     so the end and a takeover are decided by the row, and exactly one of them is written: a handler
     that returned during an outage longer than its lease is recorded when the database comes back,
     unless a backup took the run over first. ``texts`` sets error and detail columns too,
-    ``started_at`` that column.
+    ``started_at`` that column (``clear_start``: to NULL, for a run whose handler never started).
     """
     ids = list(ids)
     if not ids:
@@ -807,6 +808,8 @@ def end_held(
     columns: list[tuple[str, Any]] = [("status", status), *(texts or {}).items()]
     if started_at is not None:
         columns.append(("started_at", _MOMENT.get_db_prep_save(started_at, connection)))
+    elif clear_start:
+        columns.append(("started_at", None))
     sets = ", ".join(f"{_name(connection, Run, field)} = %s" for field, _ in columns)
     id_params: list[Any]
     if connection.vendor == "postgresql":
