@@ -71,8 +71,10 @@ def test_a_returning_handler_is_recorded_success_with_its_context(sched: Schedul
     )
     assert ctx.data == {"who": "job"} and ctx.progress is None and not ctx.signal.aborted
     assert run.started_at and run.finished_at and run.duration is not None
-    assert any(c["run"].slot == run.slot for c in received["run_started"].calls)
-    assert any(c["run"].slot == run.slot for c in received["run_succeeded"].calls)
+    # Receivers run on the outbox's thread, after the row is written: waited for, not read at once.
+    for name in ("run_started", "run_succeeded"):
+        calls = received[name].calls
+        wait_for(lambda calls=calls: any(c["run"].slot == run.slot for c in calls), 5, what=name)
 
 
 def test_a_raising_handler_is_recorded_failed_with_type_message_and_traceback(sched: Scheduler, received: Any) -> None:
@@ -84,7 +86,8 @@ def test_a_raising_handler_is_recorded_failed_with_type_message_and_traceback(sc
     [run, *_] = finished("broken")
     assert (run.status, run.error_type, run.error_message) == ("failed", "ValueError", "the ledger does not balance")
     assert "in broken" in run.traceback and "ValueError" in run.traceback
-    [call, *_] = received["run_failed"].calls
+    # Sent from the outbox's thread once the row is written (seen in CI: read at once, not there yet).
+    [call, *_] = wait_for(lambda: received["run_failed"].calls, 5, what="run_failed")
     assert isinstance(call["exception"], ValueError)
 
 
