@@ -1090,11 +1090,17 @@ def test_the_slot_after_a_handler_that_returned_just_before_it_is_not_skipped(sc
 
     sched.every("edge", "500ms", until_just_before_the_next_slot)
     start(sched)
+    from django_anarchon.engine import OWN_ENDINGS_WAIT_S
+
     runs = finished("edge", 14, timeout=15)
     close = []  # (slot, status) of slots whose previous handler returned 5-25 ms before them
     for before, run in zip(runs, runs[1:], strict=False):
         back = returned.get(before.slot)
         if back is not None and run.slot - before.slot == 500 and 0.005 <= run.slot / 1000 - back <= 0.025:
+            if before.finished_at.timestamp() - back > OWN_ENDINGS_WAIT_S:
+                # A machine so busy that the end took longer to write than the loop holds the slot
+                # back for (CI with other work on both cores): decided on what the database held.
+                continue
             close.append((run.slot, run.status, run.detail))
     assert len(close) >= 4, f"too few slots came just after a return to tell: {close}"
     assert [c for c in close if c[1] == "skipped"] == [], close
