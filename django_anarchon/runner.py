@@ -446,7 +446,7 @@ class Runner:
             return None  # most handlers: nothing to look into
         if (refused := returned_generator(active.run.job, result)) is not None:
             return refused
-        if result is not None and inspect.isawaitable(result):
+        if inspect.isawaitable(result):
             # A plain callable that returned a coroutine (a lambda calling an async function, an
             # object whose __call__ returns one): awaited on the event loop as an async def's
             # would be, not recorded a success with its body never run.

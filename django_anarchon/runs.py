@@ -551,12 +551,12 @@ class RunTable:
 
     def _ending(self, active: ActiveRun, then: Any, **fields: Any) -> Ending:
         ttl = self.settings.lease_ttl
-        fields.setdefault("started", active.ran)  # a run withdrawn before its slot keeps no start time
         return Ending(
             run=active.run,
             lease_until=lambda: active.renewed_at + ttl,
             then=then,
             started_at=active.late_start,
+            started=active.ran,  # a run withdrawn before its slot keeps no start time
             **fields,
         )
 
@@ -680,9 +680,7 @@ class RunTable:
             finally:
                 self._settled(active, leave)
 
-        ending = self._ending(
-            active, handed, hand_over=True, detail=detail, max_attempts=self.settings.max_attempts, started=active.ran
-        )
+        ending = self._ending(active, handed, hand_over=True, detail=detail, max_attempts=self.settings.max_attempts)
         self.recorder.submit(ending)
 
     def _announce(self, signal: Any, **kwargs: Any) -> None:

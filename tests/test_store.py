@@ -1392,10 +1392,10 @@ def test_a_paused_jobs_handed_over_attempt_runs_only_if_its_handler_had_started(
     attempt still ran, the first run of that slot, while the job was paused (helper 41). It is
     recorded skipped now, as the run would have been withdrawn had its instance lived. An attempt
     whose handler had started before the pause carries on its work, as a takeover after a crash does."""
-    job = make_job(every="10s")
+    job, other = make_job(every="10s"), make_job("other", every="10s")
     due = (int(time.time()) - 5) * 1000  # due already: "began" started its handler at the slot
-    [never, began] = decide([store.Claim(job, due), store.Claim(make_job("other", every="10s"), due)]).won
-    jobs = {"job": job, "other": make_job("other", every="10s")}
+    [never, began] = decide([store.Claim(job, due), store.Claim(other, due)]).won
+    jobs = {"job": job, "other": other}
     store.hand_over(never.id, owner="me", detail="stopping", started=False)
     store.hand_over(began.id, owner="me", detail="stopping")
     JobState.objects.filter(name__in=["job", "other"]).update(paused=True)

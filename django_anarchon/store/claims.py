@@ -225,8 +225,8 @@ def _decide(
             # a slot waiting its turn hold back a catch-up, which runs in slot order after it: an
             # earlier outage's catch-ups still waiting when the cluster went down again (helper 41).
             # (A manual run waiting does not: it is no slot of the schedule.)
-            waiting = job.overlap == "queue" or (claim.wait and any(not r.manual for r in view.queued))
-            busy = job.overlap != "allow" and bool(view.active or (waiting and view.queued))
+            waiting = any(not r.manual for r in view.queued) if claim.wait else job.overlap == "queue" and view.queued
+            busy = job.overlap != "allow" and bool(view.active or waiting)
             if busy and now_ms is not None and claim.slot > now_ms:
                 outcome.early.append(claim)
                 continue
