@@ -229,6 +229,7 @@ class Engine:
         self.keeper.stop()
         self.runner.workers.close()
         joined_by = min(time.monotonic() + 2.0, after)  # for all of them: each may be held up by the database
+        self.runner.starter.close(max(0.0, joined_by - time.monotonic()))
         for thread in self._threads:
             thread.join(max(0.0, joined_by - time.monotonic()))
         self.recorder.stop(min(5.0, max(0.5, after - time.monotonic())))

@@ -226,6 +226,7 @@ class Starter:
         self._order = itertools.count()
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def add(self, active: ActiveRun) -> None:
         self.add_many([active])
@@ -252,6 +253,19 @@ class Starter:
             self._watching = True
             self._ensure_thread()
             self._changed.notify()
+
+    def close(self, timeout: float) -> None:
+        """Have the thread leave as soon as nothing waits (the scheduler stops), and wait for it at most ``timeout`` s.
+
+        Without this, a stopped scheduler's thread lingered ``LINGER_S``. Runs still waiting were
+        aborted by the stop, and are released (to be ended by their workers) first.
+        """
+        with self._changed:
+            self._closed = True
+            thread = self._thread
+            self._changed.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -305,7 +319,7 @@ class Starter:
                         # Jobs due every second would otherwise start a thread every second.
                         idle_since = time.monotonic() if idle_since is None else idle_since
                         left = idle_since + self.LINGER_S - time.monotonic()
-                        if left <= 0:
+                        if left <= 0 or self._closed:
                             self._thread = None
                             return
                         self._changed.wait(left)

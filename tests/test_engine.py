@@ -232,6 +232,16 @@ def test_a_handler_that_returns_after_stop_counts_as_finished(sched: Scheduler) 
     assert run.status == "success"
 
 
+def test_stop_leaves_no_scheduler_thread_behind(sched: Scheduler) -> None:
+    """The starter's thread lingered up to two seconds after stop() (an embedding project saw it)."""
+    sched.every("tick", "100ms", lambda ctx: None)
+    start(sched)
+    finished("tick", 3, status="success")
+    assert sched.stop(timeout=5) is True
+    left = [t.name for t in threading.enumerate() if t.name.startswith("anarchon-") and t.is_alive()]
+    assert left == [], f"threads still alive after stop(): {left}"
+
+
 def test_stop_hands_over_a_handler_that_outlives_the_grace_period(sched: Scheduler) -> None:
     started, release = threading.Event(), threading.Event()
 

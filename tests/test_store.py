@@ -1017,6 +1017,19 @@ def test_a_second_outages_catch_ups_wait_behind_the_first_outages_still_waiting(
     assert order == sorted(order), "oldest first, one at a time"
 
 
+def test_under_queue_a_catch_up_does_not_wait_behind_a_manual_run_waiting() -> None:
+    """A manual run is no slot of the schedule: it holds back no catch-up, under "queue" as under
+    the other policies (it did under "queue" alone)."""
+    job = make_job(every="10s", overlap="queue")
+    [ran] = decide([store.Claim(job, SLOT)]).won
+    manual = store.create_manual("job", None, slot=SLOT + 1)  # run_now(): waits for a poll to take it
+    assert manual.status == "pending"
+    store.finish(ran.id, owner="me", status="success")
+    outcome = decide([], [store.CatchUp(job, until=SLOT + 50_000)], owner="back")
+    assert [(r.slot, r.reason) for r in outcome.won] == [(SLOT + 50_000, "catch-up")]
+    assert Run.objects.get(pk=manual.pk).status == "pending"
+
+
 def test_a_catch_up_waits_for_a_run_left_from_before_the_outage_rather_than_be_skipped() -> None:
     """Killed mid-run with the whole cluster: the run is still on record as running when the first
     instance comes back. The missed slot is owed a run after it (overlap="skip", catch_up="latest")."""

@@ -70,6 +70,17 @@ def test_the_starter_thread_stays_a_while_for_the_next_instant(monkeypatch: pyte
     assert time.monotonic() - left_at >= 0.3
 
 
+def test_a_closed_starter_leaves_at_once_rather_than_linger() -> None:
+    clock = FakeTime(1_000)
+    released: list[int] = []
+    starter = Starter(clock, lambda a: released.append(a.run.slot))
+    starter.add(active(1_000))
+    wait_for(lambda: released == [1_000], 5, what="the run")
+    began = time.monotonic()
+    starter.close(5)
+    assert not starter.running and time.monotonic() - began < 1.0, "left without lingering LINGER_S (2 s)"
+
+
 def test_the_starter_releases_a_run_whose_signal_aborts_before_its_slot_at_once() -> None:
     clock = FakeTime(1_000)
     released: list[ActiveRun] = []
