@@ -227,8 +227,8 @@ class Engine:
         for active in self.table.all():
             active.ended.wait(max(0.0, min(2.0, deadline + 2.0 - time.monotonic())))
         self.keeper.stop()
-        self.runner.workers.close()
         joined_by = min(time.monotonic() + 2.0, after)  # for all of them: each may be held up by the database
+        self.runner.workers.close(max(0.0, joined_by - time.monotonic()))
         self.runner.starter.close(max(0.0, joined_by - time.monotonic()))
         for thread in self._threads:
             thread.join(max(0.0, joined_by - time.monotonic()))

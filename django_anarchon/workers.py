@@ -166,11 +166,18 @@ class Workers:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         self._tasks.put((work, active))
 
-    def close(self) -> None:
-        """Let every thread leave once it is done with its task, closing its connections (the scheduler stops)."""
-        for thread in self._threads:
-            if thread.is_alive():
-                self._tasks.put(None)
+    def close(self, timeout: float = 0.0) -> None:
+        """Let every thread leave once it is done with its task, closing its connections (the scheduler stops).
+
+        Waits up to ``timeout`` seconds in all for them to be gone: a thread still in a
+        handler that ignored its signal is left behind (it is a daemon).
+        """
+        threads = [t for t in self._threads if t.is_alive()]
+        for _ in threads:
+            self._tasks.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _serve(self) -> None:
         while True:

@@ -143,6 +143,37 @@ def test_workers_reuse_idle_threads_and_start_one_per_run_when_none_is_idle() ->
     assert workers.started == 3, "no new thread while one was idle"
 
 
+def test_closed_workers_are_gone_when_close_returns_and_one_held_in_its_task_is_waited_for() -> None:
+    """stop() said the scheduler's threads were gone while a worker was still on its way out."""
+    workers = Workers()
+    release = threading.Event()
+    busy = threading.Event()
+
+    def slow(_: ActiveRun) -> None:
+        busy.set()
+        release.wait(5)
+
+    workers.submit(active(1), slow)
+    workers.submit(active(2), lambda _: None)
+    assert busy.wait(5)
+    threads = list(workers._threads)
+    threading.Timer(0.3, release.set).start()
+    workers.close(timeout=5)
+    assert [t.name for t in threads if t.is_alive()] == []
+
+
+def test_close_gives_up_on_a_worker_whose_handler_does_not_return() -> None:
+    workers = Workers()
+    release = threading.Event()
+    workers.submit(active(1), lambda _: release.wait(10))
+    began = time.monotonic()
+    try:
+        workers.close(timeout=0.2)
+        assert time.monotonic() - began < 2.0, "a handler that ignores its signal cannot hold stop() up"
+    finally:
+        release.set()
+
+
 # -- connections kept between runs ------------------------------------------------------------
 
 
