@@ -94,7 +94,9 @@ AFTER_GRACE_S = 4.0
 STARTUP_RETRY_S = 5.0
 # A run claimed ahead waits for its slot, and a pause committed after its claim read the job's
 # row (up to CLAIM_AHEAD_MAX_MS before the slot) would not stop it: this long before the slot,
-# the loop reads the jobs' pause once more and withdraws the runs of the jobs paused since.
+# the loop reads the jobs' pause once more and withdraws the runs of the jobs paused since. The
+# starter holds those runs until that look is made (or fails), even past their slot: a loop that
+# comes late starts them late, it does not let a paused job's run through.
 PAUSE_CHECK_LEAD_MS = 20
 PAUSED_DETAIL = "the job was paused before its slot"
 # How long the loop holds back the slots of a job whose run here has just ended, for its end to be
@@ -360,6 +362,9 @@ class Engine:
         # After a failed turn the back-off comes before any query: a query that failed
         # before the wait would make the turn after the database's return a failed one.
         if self.trouble.backoff:
+            # The runs held for a look at their pause that comes due meanwhile go ahead as
+            # claimed, as after a failed look, rather than wait out the back-off.
+            self._withdraw_paused(self.clock.now_ms() + int(self.trouble.backoff * 1000), look=False)
             if self._stopping.wait(self.trouble.backoff):
                 return next_poll, next_house
         # Once per connection: a frozen claim holds job locks for about a lease at most.
@@ -553,22 +558,34 @@ class Engine:
             if run.slot > check_from and run.reason == Reason.SCHEDULED and not run.manual:
                 by_slot.setdefault(run.slot, []).append(active)
         for slot, ahead in by_slot.items():
+            for active in ahead:
+                active.pause_check_pending = True
             heapq.heappush(self._pause_checks, (slot - PAUSE_CHECK_LEAD_MS, next(self._pause_check_order), ahead))
 
-    def _withdraw_paused(self, now_ms: int) -> None:
-        """Withdraw the runs claimed ahead whose jobs were paused since (their checks are due by ``now_ms``)."""
+    def _withdraw_paused(self, now_ms: int, *, look: bool = True) -> None:
+        """Withdraw the runs claimed ahead whose jobs were paused since (their checks are due by ``now_ms``).
+
+        Without ``look`` (the database is failing), their checks are given up and they run as claimed.
+        """
         due: list[ActiveRun] = []
         while self._pause_checks and self._pause_checks[0][0] <= now_ms:
             due.extend(heapq.heappop(self._pause_checks)[2])
-        waiting = [active for active in due if active.state is Phase.RUNNING and not active.ran]
-        if not waiting:
+        if not due:
             return
-        paused = self.trouble.call(store.paused_among, {active.run.job for active in waiting})
-        if paused is FAILED or not paused:
-            return  # a failed look leaves them as claimed: the claim saw the job running
-        for active in waiting:
-            if active.run.job in paused:
-                self.table.withdraw(active, PAUSED_DETAIL)
+        try:
+            waiting = [active for active in due if active.state is Phase.RUNNING and not active.ran]
+            if not waiting or not look:
+                return
+            paused = self.trouble.call(store.paused_among, {active.run.job for active in waiting})
+            if paused is FAILED or not paused:
+                return  # a failed look leaves them as claimed: the claim saw the job running
+            for active in waiting:
+                if active.run.job in paused:
+                    self.table.withdraw(active, PAUSED_DETAIL)
+        finally:
+            for active in due:
+                active.pause_check_pending = False
+            self.runner.starter.wake()  # the runs it held for this look (the withdrawn ones were aborted)
 
     def adopt(self, run: Run, sent: float) -> ActiveRun | None:
         """Start executing a run this process has just won (claimed at monotonic ``sent``).

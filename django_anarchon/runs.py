@@ -94,6 +94,9 @@ class ActiveRun:
         self.finished = Latch()  # set when its handler is over and its end recorded (or given up)
         self.ended = Latch()  # set when its end is recorded, given up, or decided elsewhere
         self.ran = False  # its handler was called
+        # Claimed ahead: the loop reads its job's pause once more before the slot, and the starter
+        # holds it until then, even past its slot (see Engine._check_pauses_before_slots).
+        self.pause_check_pending = False
         self.late_start: datetime | None = None  # when its handler started, if well after the claim said (see Runner)
         self._state = Phase.RUNNING
         self._finishing_at: float | None = None  # monotonic time its ending began

@@ -208,7 +208,9 @@ class Starter:
     until the slot would have every one of those threads wake at the same
     instant and queue for the GIL, and a hundred simultaneous runs started
     many times slower (docs/performance.md). A run whose signal aborts first
-    (stop, a lost lease) is released at once, to be ended by its worker.
+    (stop, a lost lease) is released at once, to be ended by its worker. A run
+    whose ``pause_check_pending`` is set is held past its slot until it is
+    cleared and :meth:`wake` called (the loop reads its job's pause first).
 
     The same thread looks after released runs still waiting for a worker
     (``stalled``: called once :meth:`watch` asks, it returns the seconds until
@@ -315,10 +317,17 @@ class Starter:
                     now = self._now_ms()
                     due: list[tuple[int, int, ActiveRun]] = []
                     later: list[tuple[int, int, ActiveRun]] = []
+                    held: list[tuple[int, int, ActiveRun]] = []  # its slot has come, its pause not yet read
                     for entry in self._waiting:
-                        (due if entry[0] <= now or entry[2].signal.aborted else later).append(entry)
+                        active = entry[2]
+                        if active.signal.aborted:
+                            due.append(entry)
+                        elif entry[0] > now:
+                            later.append(entry)
+                        else:
+                            (held if active.pause_check_pending else due).append(entry)
                     if due:
-                        self._waiting = later
+                        self._waiting = later + held
                         heapq.heapify(self._waiting)
                         idle_since = None
                         break
@@ -335,8 +344,8 @@ class Starter:
                     if self._watching and again is None:
                         break  # asked to watch since the last look: look now
                     timeout = CLOCK_RECHECK_S
-                    if self._waiting:
-                        timeout = min(timeout, (self._waiting[0][0] - now) / 1000)
+                    if later:  # runs held for their pause's look wait for wake()
+                        timeout = min(timeout, (min(later)[0] - now) / 1000)
                     if self._watching and again is not None:
                         timeout = min(timeout, again)
                     self._changed.wait(max(timeout, 0.0))

@@ -422,6 +422,51 @@ def test_a_pause_between_a_claim_and_its_slot_withdraws_the_run(
     assert not Run.objects.filter(job="soon", slot__gt=ahead.slot).exists(), "paused: no later slot decided"
 
 
+@pytest.mark.parametrize("case", ["paused", "not-paused", "look-fails"])
+def test_a_run_claimed_ahead_waits_for_a_late_look_at_its_pause_rather_than_start_without(
+    sched: Scheduler, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI on dbb4fd7: the loop's look at the pause, due 20 ms before the slot, came late (a busy
+    machine) and a job paused before its slot ran anyway. Here the look is due 0.4 s after the
+    slot, as if the loop were that late: the run waits for it, and is withdrawn if the job was
+    paused, or starts once the look is made (or has failed: the claim saw the job running)."""
+    from django_anarchon import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "draw_claim_ahead", lambda claim_ms, jitter_ms: 600)
+    monkeypatch.setattr(engine_module, "PAUSE_CHECK_LEAD_MS", -400)
+    paused = case == "paused"
+    if case == "look-fails":
+
+        def fails(names: object) -> object:
+            raise OperationalError("the database went away (test)")
+
+        monkeypatch.setattr(engine_module.store, "paused_among", fails)
+    started: list[tuple[int, float]] = []
+    sched.every("soon", "1s", lambda ctx: started.append((ctx.slot, time.time())))
+    start(sched)
+    ahead = wait_for(
+        lambda: Run.objects.filter(job="soon", status="running", slot__gt=time.time() * 1000 + 150).first(),
+        5,
+        interval=0.01,
+        what="a run claimed ahead of its slot",
+    )
+    if paused:
+        assert JobState.objects.get(name="soon").pause("maintenance")
+        row = wait_for(
+            lambda: Run.objects.filter(pk=ahead.pk, status="skipped").first(), 3, interval=0.01, what="its record"
+        )
+        assert row.detail == "the job was paused before its slot" and row.started_at is None
+        time.sleep(max(0.0, ahead.slot / 1000 + 0.6 - time.time()))
+        assert ahead.slot not in [slot for slot, _ in started], "withdrawn: never started"
+    else:
+        wait_for(lambda: ahead.slot in [slot for slot, _ in started], 3, interval=0.01, what="its start")
+        began = dict(started)[ahead.slot]
+        assert began >= ahead.slot / 1000 + 0.35, "held until the look at its pause, 0.4 s after its slot"
+        wait_for(
+            lambda: Run.objects.filter(pk=ahead.pk, status="success").exists(), 3, interval=0.01, what="its record"
+        )
+
+
 def test_run_now_is_picked_up_and_runs_as_manual(sched: Scheduler) -> None:
     seen: list[Context] = []
     sched.every("rare", ON_DEMAND, seen.append)

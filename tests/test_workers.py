@@ -93,6 +93,36 @@ def test_the_starter_releases_a_run_whose_signal_aborts_before_its_slot_at_once(
     assert later not in released
 
 
+def test_the_starter_holds_a_run_whose_pause_is_still_to_be_read_past_its_slot_until_told() -> None:
+    """A run claimed ahead starts only once the loop has read its job's pause again (a loop that
+    came late let a paused job's run start at its slot, CI on dbb4fd7)."""
+    clock = FakeTime(1_000)
+    readings = [0]
+
+    def now_ms() -> float:
+        readings[0] += 1
+        return clock()
+
+    released: list[str] = []
+    starter = Starter(now_ms, lambda a: released.append(a.run.job))
+    held, free, aborted = active(1_500, "held"), active(1_500, "free"), active(1_500, "aborted")
+    held.pause_check_pending = aborted.pause_check_pending = True
+    starter.add_many([held, free, aborted])
+    clock.now = 2_000
+    starter.wake()
+    wait_for(lambda: released == ["free"], 5, what="the run with no look pending, at its slot")
+    before = readings[0]
+    threading.Event().wait(0.2)
+    assert released == ["free"], "held past its slot while its look is pending"
+    assert readings[0] - before < 10, "a held run is waited for, not polled in a loop"
+    aborted.abort("paused", RuntimeError("withdrawn"))
+    wait_for(lambda: released == ["free", "aborted"], 5, what="the withdrawn run, to be ended by its worker")
+    held.pause_check_pending = False
+    starter.wake()
+    wait_for(lambda: released == ["free", "aborted", "held"], 5, what="the run once its look was made")
+    starter.close(1)
+
+
 def test_the_starter_reads_the_clock_again_while_a_run_waits_so_a_clock_step_cannot_hold_it() -> None:
     """A reading taken just after the wall clock was stepped back (before the engine measured
     the database clock again) is an hour behind; the next reading is right again."""
@@ -166,12 +196,16 @@ def test_close_gives_up_on_a_worker_whose_handler_does_not_return() -> None:
     workers = Workers()
     release = threading.Event()
     workers.submit(active(1), lambda _: release.wait(10))
+    threads = list(workers._threads)
     began = time.monotonic()
     try:
         workers.close(timeout=0.2)
         assert time.monotonic() - began < 2.0, "a handler that ignores its signal cannot hold stop() up"
+        assert len(threads) == 1 and threads[0].is_alive(), "close() returned while its worker was still busy"
     finally:
         release.set()
+    threads[0].join(5)
+    assert not threads[0].is_alive(), "the worker leaves once its handler returns"
 
 
 # -- connections kept between runs ------------------------------------------------------------
