@@ -353,6 +353,10 @@ class Engine:
                 except Exception:
                     logger.exception("Unexpected error in the scheduler loop; carrying on")
                     self._stopping.wait(1.0)
+            try:
+                self._shed_overtaken()
+            except Exception:
+                logger.exception("Unexpected error while recording the slots shed at stop")
         finally:
             connections.close_all()
 
@@ -441,6 +445,21 @@ class Engine:
         retry = now + int(max(BUSY_RETRY_MS, 1.5 * self.claim_ms) * random.uniform(1.0, 1.3))  # noqa: S311
         if self.queue.settle(batch, outcome, now, retry):
             self._room_wanted = True
+
+    def _shed_overtaken(self) -> None:
+        """On stopping: record skipped the slots owed here that their job's next slot has overtaken.
+
+        Shed on the job's next look had the instance gone on, they would otherwise have no
+        record at all: no other instance looks at a slot once it has come.
+        """
+        if self.trouble.backoff:
+            return  # the database is failing: a stop must not wait for it (a later start catches up)
+        claims = self.queue.overtaken(self.clock.now_ms())
+        if not claims:
+            return
+        outcome = self._decide(Batch(claims=claims))
+        if outcome is not FAILED:
+            self._handle(outcome, time.monotonic())
 
     def _ending_here(self, jobs: Iterable[Job]) -> set[str]:
         """Which of ``jobs`` have a run here whose end is about to be written: decide their slots a moment later.

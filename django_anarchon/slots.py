@@ -364,6 +364,28 @@ class SlotQueue:
         self._next_slot[name] = slot
         return slot
 
+    def overtaken(self, now_ms: int) -> list[Claim]:
+        """The slots owed here (due with no free worker) that the job's next slot has overtaken, to shed.
+
+        For a stop: each would be recorded skipped (``SHED_DETAIL``) on its job's next look,
+        and no other instance looks at a slot once it has come. Slots still current are
+        left to a later start's catch-up, as any slot undecided at a stop is.
+        """
+        claims = []
+        for name, job in self.jobs.items():
+            if name not in self._next_slot:
+                continue  # stopped before the queue was seeded
+            slot = min(self._deferred.get(name, self._next_slot[name]), self._next_slot[name])
+            if name not in self._deferred and (self._short_since is None or slot < self._short_since):
+                continue
+            following = job.schedule.next_after(slot)
+            for _ in range(SHED_LIMIT):
+                if following > now_ms:
+                    break
+                claims.append(Claim(job, slot, shed=SHED_DETAIL))
+                slot, following = following, job.schedule.next_after(following)
+        return claims
+
     def failed(self, batch: Batch, retry_at_ms: int) -> None:
         """The batch could not be decided (a database error): look at its slots again at ``retry_at_ms``."""
         for name in batch.previous:

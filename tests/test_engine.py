@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from django_anarchon import Context, Interrupted, Scheduler, signals, store
 from django_anarchon.models import Instance, JobState, Run
-from django_anarchon.slots import Batch, Claim
+from django_anarchon.slots import SHED_DETAIL, Batch, Claim
 from tests.conftest import ON_DEMAND, finished, running_engine, start, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -1327,6 +1327,31 @@ def test_with_too_few_workers_every_slot_runs_late_or_is_recorded_skipped(sched:
     assert all("free worker" in r.detail or "still running" in r.detail for r in shed), [r.detail for r in shed]
     late = [r for r in rows.values() if r.status == "success" and (r.started_at - r.scheduled_at).total_seconds() > 0.5]
     assert late, "a slot that waited for the worker ran late, as scheduled"
+
+
+def test_a_stop_records_the_owed_slots_that_were_overtaken_while_no_worker_was_free(sched: Scheduler) -> None:
+    """CI on dbb4fd7: with every worker busy, slots wait owed, and are shed (recorded skipped) only
+    on their job's next look with a worker free; a stop before that left them with no record at
+    all, and no other instance looks at a slot once it has come."""
+    hogging = threading.Event()
+
+    def hog(ctx: Context) -> None:
+        hogging.set()
+        ctx.sleep(30)
+
+    sched.every("hog", "1h", hog)
+    sched.every("tick", "1s", lambda ctx: None)
+    with override_settings(ANARCHON={"LEASE_TTL": 3.0, "POLL_INTERVAL": 0.2, "MAX_WORKERS": 1}):
+        start(sched)
+        sched.run_now("hog")
+        assert hogging.wait(5)
+        began = time.time()
+        time.sleep(3.2)
+        sched.stop(timeout=2)
+    overtaken = range((int(began) + 1) * 1000, int(began + 3.2) * 1000, 1000)  # their next slot came
+    rows = {r.slot: r for r in Run.objects.filter(job="tick", slot__in=list(overtaken))}
+    assert sorted(rows) == list(overtaken), "every overtaken slot has a record"
+    assert {(r.status, r.detail) for r in rows.values()} == {("skipped", SHED_DETAIL)}
 
 
 def test_a_turn_that_takes_the_last_worker_counts_the_slots_due_after_it_as_owed(sched: Scheduler) -> None:

@@ -282,6 +282,28 @@ def test_an_owed_batch_left_undecided_offers_its_shed_slots_again() -> None:
         assert [(c.slot, c.shed) for c in again.claims] == [(SLOT, SHED_DETAIL), (SLOT + 1000, "")], undecided
 
 
+def test_at_a_stop_the_owed_slots_overtaken_by_their_next_are_offered_to_shed_and_no_others() -> None:
+    """A stop with every worker busy left the owed slots with no record at all (CI on dbb4fd7):
+    they are shed only on their job's next look, and nobody else looks at a slot once it has come."""
+    declared = jobs(3)
+    always = lambda name, slot: True  # noqa: E731
+    queue = queue_at(declared, {"job-0": SLOT, "job-1": SLOT, "job-2": SLOT + 2_000})
+    batch = queue.take_due(SLOT - 80, 500, always)
+    queue.settle(batch, Outcome(deferred=[c for c in batch.claims if c.job.name == "job-0"]), SLOT - 80, SLOT)
+    queue.note_no_room(SLOT + 100)  # job-1's slot was decided (won); from here no worker is free
+    shed = queue.overtaken(SLOT + 2_500)
+    # job-0: owed from SLOT, its slots up to the one still current (SLOT + 2000) are overtaken;
+    # job-1: its next slot (SLOT + 1000) came with no free worker, overtaken by SLOT + 2000;
+    # job-2: its slot is still current.
+    assert sorted((c.job.name, c.slot, c.shed) for c in shed) == [
+        ("job-0", SLOT, SHED_DETAIL),
+        ("job-0", SLOT + 1_000, SHED_DETAIL),
+        ("job-1", SLOT + 1_000, SHED_DETAIL),
+    ]
+    fresh = queue_at(declared, {"job-0": SLOT, "job-1": SLOT, "job-2": SLOT})
+    assert fresh.overtaken(SLOT + 5_000) == [], "slots not owed here (frozen, not short of workers): catch-up's"
+
+
 def test_slots_due_while_every_worker_was_busy_are_owed_not_missed() -> None:
     declared = jobs(1)
     queue = queue_at(declared, {"job-0": SLOT})
