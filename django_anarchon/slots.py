@@ -202,6 +202,19 @@ class ShareOut:
         return peers[share_index(self.ranks[name], slot, len(peers))] == self.token
 
 
+def _overtaken_from(job: Job, slot: int, now_ms: int) -> tuple[list[Claim], int, int]:
+    """Shed claims for ``job``'s slots from ``slot`` on whose next slot has come by ``now_ms``
+    (``SHED_LIMIT`` at most); then the first slot not shed and the one after it."""
+    shed = []
+    following = job.schedule.next_after(slot)
+    for _ in range(SHED_LIMIT):
+        if following > now_ms:
+            break
+        shed.append(Claim(job, slot, shed=SHED_DETAIL))
+        slot, following = following, job.schedule.next_after(following)
+    return shed, slot, following
+
+
 class SlotQueue:
     """Every job's next slot, and when to look at it.
 
@@ -350,12 +363,8 @@ class SlotQueue:
         """A slot due while this instance had no free worker: claim it late, or shed it; -1 when it was claimed."""
         name = job.name
         batch.owed[name] = slot
-        following = job.schedule.next_after(slot)
-        for _ in range(SHED_LIMIT):
-            if following > now_ms:
-                break
-            batch.claims.append(Claim(job, slot, shed=SHED_DETAIL))
-            slot, following = following, job.schedule.next_after(following)
+        shed, slot, following = _overtaken_from(job, slot, now_ms)
+        batch.claims.extend(shed)
         if following > now_ms:
             batch.claims.append(Claim(job, slot))
             batch.previous.setdefault(name, slot)
@@ -378,12 +387,7 @@ class SlotQueue:
             slot = min(self._deferred.get(name, self._next_slot[name]), self._next_slot[name])
             if name not in self._deferred and (self._short_since is None or slot < self._short_since):
                 continue
-            following = job.schedule.next_after(slot)
-            for _ in range(SHED_LIMIT):
-                if following > now_ms:
-                    break
-                claims.append(Claim(job, slot, shed=SHED_DETAIL))
-                slot, following = following, job.schedule.next_after(following)
+            claims.extend(_overtaken_from(job, slot, now_ms)[0])
         return claims
 
     def failed(self, batch: Batch, retry_at_ms: int) -> None:
