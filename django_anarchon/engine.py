@@ -391,8 +391,14 @@ class Engine:
             self.queue.note_no_room(now_ms)
         elif self.queue.due(now_ms):
             self.dispatch_due()
-        if self._pause_checks and self._pause_checks[0][0] <= self.clock.now_ms():
-            self._withdraw_paused(self.clock.now_ms())
+        if (
+            self._pause_checks
+            and self._pause_checks[0][0] <= self.clock.now_ms()
+            and self._withdraw_paused(self.clock.now_ms())
+        ):
+            # The look was a poll: the next comes an interval after it. An instance whose slots come
+            # every second or so then polls in the turns that look, not in turns of their own.
+            next_poll, poll_now = time.monotonic() + self.settings.poll_interval, False
         if poll_now:
             next_poll = self._poll_turn()
         if mono >= next_house:
@@ -581,30 +587,39 @@ class Engine:
                 active.pause_check_pending = True
             heapq.heappush(self._pause_checks, (slot - PAUSE_CHECK_LEAD_MS, next(self._pause_check_order), ahead))
 
-    def _withdraw_paused(self, now_ms: int, *, look: bool = True) -> None:
+    def _withdraw_paused(self, now_ms: int, *, look: bool = True) -> bool:
         """Withdraw the runs claimed ahead whose jobs were paused since (their checks are due by ``now_ms``).
 
-        Without ``look`` (the database is failing), their checks are given up and they run as claimed.
+        The look is a poll, which also names the paused ones among those jobs: True if it
+        polled (whatever it found). Without ``look`` (the database is failing), the checks
+        are given up and the runs go ahead as claimed.
         """
         due: list[ActiveRun] = []
         while self._pause_checks and self._pause_checks[0][0] <= now_ms:
             due.extend(heapq.heappop(self._pause_checks)[2])
         if not due:
-            return
+            return False
+        found: Any = None
         try:
             waiting = [active for active in due if active.state is Phase.RUNNING and not active.ran]
             if not waiting or not look:
-                return
-            paused = self.trouble.call(store.paused_among, {active.run.job for active in waiting})
-            if paused is FAILED or not paused:
-                return  # a failed look leaves them as claimed: the claim saw the job running
-            for active in waiting:
-                if active.run.job in paused:
-                    self.table.withdraw(active, PAUSED_DETAIL)
+                return False
+            self._poll_requested = False
+            found = self.trouble.call(
+                store.poll,
+                expiring_within=self.settings.poll_interval,
+                paused_among={active.run.job for active in waiting},
+            )
+            if found is not FAILED:  # a failed look leaves them as claimed: the claim saw the job running
+                for active in waiting:
+                    if active.run.job in found.paused:
+                        self.table.withdraw(active, PAUSED_DETAIL)
         finally:
             for active in due:
                 active.pause_check_pending = False
             self.runner.starter.wake()  # the runs it held for this look (the withdrawn ones were aborted)
+        self._poll(found)  # the rest of the poll, once the runs that waited for the look are on their way
+        return True
 
     def adopt(self, run: Run, sent: float) -> ActiveRun | None:
         """Start executing a run this process has just won (claimed at monotonic ``sent``).
@@ -726,15 +741,17 @@ class Engine:
             )
         return True
 
-    def _poll(self) -> None:
+    def _poll(self, found: Any = None) -> None:
         """Claim pending runs and take over expired leases; note when the next lease expires.
 
         The poll also returns the leases that expire before the next poll, so that
         the loop comes back when they do: a crashed runner is taken over
-        ``LEASE_TTL`` after its last renewal, not up to a poll later.
+        ``LEASE_TTL`` after its last renewal, not up to a poll later. With ``found``,
+        what a poll sent by the caller found (or ``FAILED``): no other is sent.
         """
         self._takeover_at = float("inf")
-        found = self.trouble.call(store.poll, expiring_within=self.settings.poll_interval)
+        if found is None:
+            found = self.trouble.call(store.poll, expiring_within=self.settings.poll_interval)
         if found is FAILED:
             return
         if self._in_doubt:

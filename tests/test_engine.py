@@ -436,11 +436,14 @@ def test_a_run_claimed_ahead_waits_for_a_late_look_at_its_pause_rather_than_star
     monkeypatch.setattr(engine_module, "PAUSE_CHECK_LEAD_MS", -400)
     paused = case == "paused"
     if case == "look-fails":
+        real_poll = engine_module.store.poll
 
-        def fails(names: object) -> object:
-            raise OperationalError("the database went away (test)")
+        def fails(*args: Any, **kwargs: Any) -> object:
+            if kwargs.get("paused_among"):  # the look at the pause
+                raise OperationalError("the database went away (test)")
+            return real_poll(*args, **kwargs)
 
-        monkeypatch.setattr(engine_module.store, "paused_among", fails)
+        monkeypatch.setattr(engine_module.store, "poll", fails)
     started: list[tuple[int, float]] = []
     sched.every("soon", "1s", lambda ctx: started.append((ctx.slot, time.time())))
     start(sched)
@@ -465,6 +468,34 @@ def test_a_run_claimed_ahead_waits_for_a_late_look_at_its_pause_rather_than_star
         wait_for(
             lambda: Run.objects.filter(pk=ahead.pk, status="success").exists(), 3, interval=0.01, what="its record"
         )
+
+
+def test_the_look_at_the_pause_before_a_slot_is_the_poll_and_the_next_poll_counts_from_it(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22: a run claimed ahead has its job's pause read again just before its slot; that look is
+    the poll (which names the paused jobs among those asked about), not a statement of its own, and
+    the next poll is due an interval after it: a job every second, one poll a second, each a look."""
+    from django_anarchon import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "draw_claim_ahead", lambda claim_ms, jitter_ms: 300)
+    polls: list[tuple[float, frozenset[str]]] = []
+    real_poll = engine_module.store.poll
+
+    def poll(*args: Any, **kwargs: Any) -> Any:
+        polls.append((time.monotonic(), frozenset(kwargs.get("paused_among", ()))))
+        return real_poll(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module.store, "poll", poll)
+    with override_settings(ANARCHON={"LEASE_TTL": 3.0, "POLL_INTERVAL": 1.0}):
+        sched.every("soon", "1s", lambda ctx: None)
+        start(sched)
+        time.sleep(4.6)
+    looks = [at for at, among in polls if among]
+    assert len(looks) >= 3, f"the looks at the pause were not polls: {polls}"
+    assert {among for _, among in polls if among} == {frozenset({"soon"})}
+    between = [among for at, among in polls if looks[0] <= at <= looks[-1]]
+    assert all(between), f"a poll of its own between two looks a second apart: {polls}"
 
 
 def test_run_now_is_picked_up_and_runs_as_manual(sched: Scheduler) -> None:

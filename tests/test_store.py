@@ -13,7 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -216,9 +216,28 @@ def test_paused_among_names_the_paused_jobs_of_those_asked_about() -> None:
     odd = ['quo"te', "back\\slash", "{brace,comma}", "NULL"]
     for name, paused in (("a", True), ("b", False), ("it's", True), ("other", True), *((o, True) for o in odd)):
         JobState.objects.create(name=name, first_seen=timezone.now(), paused=paused)
-    assert store.paused_among(["a", "b", "it's", "missing"]) == {"a", "it's"}
-    assert store.paused_among([*odd, "b"]) == set(odd)
-    assert store.paused_among([]) == set()
+    # What a claim reads of the jobs it lost (see statements.claim_scheduled).
+    assert store.statements.paused_among(["a", "b", "it's", "missing"]) == {"a", "it's"}
+    assert store.statements.paused_among([*odd, "b"]) == set(odd)
+    assert store.statements.paused_among([]) == set()
+
+
+def test_the_poll_names_the_paused_jobs_of_those_asked_about_beside_what_it_finds() -> None:
+    """The loop's look at the pause before runs claimed ahead start is sent with its poll."""
+    odd = ['quo"te', "back\\slash", "{brace,comma}", "NULL"]
+    for name, paused in (("a", True), ("b", False), ("it's", True), ("other", True), *((o, True) for o in odd)):
+        JobState.objects.create(name=name, first_seen=timezone.now(), paused=paused)
+    assert store.poll().paused == set(), "not asked: not looked at"
+    found = store.poll(paused_among=["a", "b", "it's", "missing"])
+    assert found.paused == {"a", "it's"} and found.expiring == [] and found.pending_jobs == []
+    assert store.poll(paused_among=[*odd, "b"]).paused == set(odd)
+    # Beside runs found: those are read again as runs, and the rows naming paused jobs are not among them.
+    [expiring] = decide([store.Claim(make_job("b"), SLOT)], ttl=2.0).won
+    store.create_manual("a", None, slot=SLOT + 1)  # a paused job's manual run still runs
+    found = store.poll(expiring_within=5.0, paused_among=["a", "b"])
+    assert found.paused == {"a"}
+    assert [r.pk for r in found.expiring] == [expiring.pk] and found.pending_jobs == ["a"]
+    assert all(isinstance(r.lease_expires_at, datetime) for r in found.expiring)
 
 
 def test_newest_successes_is_when_each_jobs_newest_success_ended() -> None:
@@ -365,7 +384,7 @@ def test_newest_scheduled_reads_a_row_or_two_per_job_however_long_the_history() 
     assert runs and all(n["Actual Rows"] <= 1 and "Seq Scan" not in n["Node Type"] for n in runs), plan
 
 
-def test_paused_among_sends_the_same_statement_text_for_any_names_on_postgresql() -> None:
+def test_the_poll_sends_the_same_statement_text_for_any_paused_names_on_postgresql() -> None:
     """The loop asks this every second of the jobs claimed ahead: psycopg parses a text it has seen once only."""
     from django.db import connection
 
@@ -377,8 +396,8 @@ def test_paused_among_sends_the_same_statement_text_for_any_names_on_postgresql(
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(keep):
-        store.paused_among(["a"])
-        store.paused_among([f"job-{n}" for n in range(100)])
+        store.poll(1.0, paused_among=["a"])
+        store.poll(1.0, paused_among=[f"job-{n}" for n in range(100)])
     assert len(sent) == 2, sent
     if connection.vendor == "postgresql":
         assert sent[0] == sent[1] and "ANY(" in sent[0], sent

@@ -140,10 +140,12 @@ class Outcome:
 
 @dataclass
 class Poll:
-    """What a poll found: runs whose lease has expired (or is about to), jobs with pending runs."""
+    """What a poll found: runs whose lease has expired (or is about to), jobs with pending runs,
+    and the paused jobs among those it was asked about."""
 
     expiring: list[Run] = field(default_factory=list)
     pending_jobs: list[str] = field(default_factory=list)
+    paused: set[str] = field(default_factory=set)
 
 
 def _vendor() -> str:

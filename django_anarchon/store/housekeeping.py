@@ -134,11 +134,6 @@ def orphaned_holder(job: str) -> Any:
     return expired.order_by("slot").first() or handed_over.order_by("slot").first()
 
 
-def paused_among(names: Iterable[str]) -> set[str]:
-    """Which of the jobs ``names`` are paused now (one SELECT, no lock)."""
-    return statements.paused_among(sorted(names))
-
-
 def database_time() -> datetime:
     """The database clock, read once."""
     vendor = _vendor()

@@ -27,7 +27,7 @@ from .base import (
 from .housekeeping import database_time
 
 
-def poll(expiring_within: float = 0.0) -> Poll:
+def poll(expiring_within: float = 0.0, paused_among: Iterable[str] = ()) -> Poll:
     """What needs someone: running runs whose lease has expired, and the jobs with pending runs.
 
     With ``expiring_within`` (seconds), also the running runs whose lease expires
@@ -39,10 +39,12 @@ def poll(expiring_within: float = 0.0) -> Poll:
     backlog (hundreds of manual runs queued behind a long job, an outage's
     catch-up) must never hide a crashed runner's lease from takeover. Pending
     runs come as one name per job: :func:`claim_pending` re-reads them under
-    the job locks anyway. One statement; a read only, nothing is decided here.
+    the job locks anyway. With ``paused_among`` (job names), also which of
+    those jobs are paused now. One statement; a read only, nothing is decided here.
     """
-    result = Poll()
-    for row in statements.poll_rows(expiring_within):
+    rows, paused = statements.poll_rows(expiring_within, sorted(set(paused_among)))
+    result = Poll(paused=paused)
+    for row in rows:
         if row.status == Status.RUNNING:
             result.expiring.append(row)
         else:

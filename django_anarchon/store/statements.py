@@ -488,16 +488,24 @@ def runs_for_decision(names: Sequence[str], slots: Sequence[int]) -> list[Run]:
     return _read(Run, sql, [*params, *_ACTIVE, *decided])
 
 
-def poll_rows(expiring_within: float) -> list[Run]:
-    """Running runs whose lease ends within ``expiring_within`` s (database clock); one row per job with pending runs.
+# The status in the poll's rows that name a paused job (see poll_rows): no run has it.
+POLL_PAUSED = "paused"
 
-    One statement, the two halves joined by ``UNION ALL``: the running ones with
+
+def poll_rows(expiring_within: float, paused_among: Sequence[str] = ()) -> tuple[list[Run], set[str]]:
+    """Running runs whose lease ends within ``expiring_within`` s (database clock); one row per job with pending runs;
+    and which of the jobs ``paused_among`` are paused now.
+
+    One statement, its parts joined by ``UNION ALL``: the running ones with
     the columns a takeover needs, the pending ones grouped by job (the lowest
     id and slot stand for them), so that a backlog of pending rows is one row
-    per job. The other columns are deferred. An idle instance sends this every
-    poll, and nearly always finds nothing: the SQL is built once per connection
-    and horizon, and sent on a plain cursor; only rows found are read again as
-    runs (through ``raw()``, which converts each backend's datetimes).
+    per job, and, with ``paused_among``, a row for each of those jobs that is
+    paused (status ``POLL_PAUSED``): the loop's look at the pause before runs
+    it claimed ahead start goes with its poll, not as a statement of its own.
+    The other columns are deferred. An idle instance sends this every poll,
+    and nearly always finds nothing: the SQL is built once per connection and
+    horizon, and sent on a plain cursor; only runs found are read again
+    (through ``raw()``, which converts each backend's datetimes).
     """
     db = alias()
     connection = connections[db]
@@ -517,11 +525,30 @@ def poll_rows(expiring_within: float) -> list[Run]:
         return sql, [Status.RUNNING, *lease_params, Status.PENDING]
 
     sql, params = _built(("poll", db, connection.vendor, expiring_within), build)
+    if paused_among:
+        if connection.vendor == "postgresql":
+            among, among_params = "= ANY(%s::text[])", [_text_array(paused_among)]  # one text, parsed once
+        else:
+            in_names, among_params = _texts(connection, paused_among)
+            among = f"IN ({in_names})"
+        sql += (
+            " UNION ALL SELECT 0, {name}, 0, 0, '{marker}', '', NULL FROM {table} "
+            "WHERE {name} {among} AND {paused} = %s"
+        ).format(
+            name=_name(connection, JobState, "name"),
+            marker=POLL_PAUSED,
+            table=_name(connection, JobState),
+            among=among,
+            paused=_name(connection, JobState, "paused"),
+        )
+        params = [*params, *among_params, True]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        if cursor.fetchone() is None:
-            return []
-    return list(Run.objects.using(db).raw(sql, params))
+        rows = cursor.fetchall()
+    paused = {row[1] for row in rows if row[4] == POLL_PAUSED}
+    if len(paused) == len(rows):
+        return [], paused
+    return [run for run in Run.objects.using(db).raw(sql, params) if run.status != POLL_PAUSED], paused
 
 
 def live_tokens(within: float) -> list[str]:
