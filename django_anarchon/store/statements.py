@@ -312,6 +312,14 @@ def paused_among(names: Sequence[str]) -> set[str]:
     if not names:
         return set()
     connection = connections[alias()]
+    sql, params = _select_paused(connection, "{name}", names)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return {row[0] for row in cursor.fetchall()}
+
+
+def _select_paused(connection: Any, columns: str, names: Sequence[str]) -> tuple[str, list[Any]]:
+    """``SELECT columns`` (``{name}`` stands for the job name's column) of the paused jobs among ``names``."""
     if connection.vendor == "postgresql":
         # One array parameter: the statement's text stays the same whatever the names, and psycopg
         # parses it once (a hundred placeholders made it parse the text again on every call).
@@ -319,15 +327,15 @@ def paused_among(names: Sequence[str]) -> set[str]:
     else:
         in_names, params = _texts(connection, names)
         among = f"IN ({in_names})"
-    sql = "SELECT {name} FROM {table} WHERE {name} {among} AND {paused} = %s".format(
-        name=_name(connection, JobState, "name"),
+    name = _name(connection, JobState, "name")
+    sql = "SELECT {columns} FROM {table} WHERE {name} {among} AND {paused} = %s".format(
+        columns=columns.format(name=name),
+        name=name,
         table=_name(connection, JobState),
         among=among,
         paused=_name(connection, JobState, "paused"),
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, True])
-        return {row[0] for row in cursor.fetchall()}
+    return sql, [*params, True]
 
 
 def newest_successes(names: Sequence[str] | None = None) -> dict[str, datetime]:
@@ -526,22 +534,10 @@ def poll_rows(expiring_within: float, paused_among: Sequence[str] = ()) -> tuple
 
     sql, params = _built(("poll", db, connection.vendor, expiring_within), build)
     if paused_among:
-        if connection.vendor == "postgresql":
-            among, among_params = "= ANY(%s::text[])", [_text_array(paused_among)]  # one text, parsed once
-        else:
-            in_names, among_params = _texts(connection, paused_among)
-            among = f"IN ({in_names})"
-        sql += (
-            " UNION ALL SELECT 0, {name}, 0, 0, '{marker}', '', NULL FROM {table} "
-            "WHERE {name} {among} AND {paused} = %s"
-        ).format(
-            name=_name(connection, JobState, "name"),
-            marker=POLL_PAUSED,
-            table=_name(connection, JobState),
-            among=among,
-            paused=_name(connection, JobState, "paused"),
+        paused_sql, paused_params = _select_paused(
+            connection, f"0, {{name}}, 0, 0, '{POLL_PAUSED}', '', NULL", paused_among
         )
-        params = [*params, *among_params, True]
+        sql, params = f"{sql} UNION ALL {paused_sql}", [*params, *paused_params]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         rows = cursor.fetchall()
