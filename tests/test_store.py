@@ -423,6 +423,12 @@ def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsew
         # The first look (no lock), then one INSERT ... SELECT that decides and returns what it won.
         assert len(statements) == 2, statements
         assert statements[0].startswith("SELECT") and "RETURNING" in statements[1], statements
+    elif getattr(connection, "mysql_is_mariadb", False) and connection.mysql_version >= (10, 5):
+        # The first look (no lock), the jobs' lock, then one INSERT ... SELECT that decides and returns
+        # what it won: nothing read back, no look at what the jobs are doing apart from it.
+        assert len(statements) == 3, statements
+        assert statements[0].startswith("SELECT") and "FOR UPDATE" in statements[1], statements
+        assert statements[2].startswith("INSERT IGNORE") and "RETURNING" in statements[2], statements
     else:
         # The first look, the lock, what the jobs are doing, and an INSERT that returns the rows it wrote.
         assert len(statements) <= 4, statements
@@ -496,8 +502,10 @@ def test_claims_still_work_and_say_so_when_the_claim_function_was_not_migrated(
 
     job = make_job()
     if connection.vendor != "postgresql":
-        one = connection.vendor == "sqlite" and connection.features.can_return_rows_from_bulk_insert
-        assert sql.can_claim_in_one_statement([store.Claim(job, SLOT)]) is one, "PostgreSQL and SQLite only"
+        one = (connection.vendor == "sqlite" and connection.features.can_return_rows_from_bulk_insert) or (
+            getattr(connection, "mysql_is_mariadb", False) and connection.mysql_version >= (10, 5)
+        )
+        assert sql.can_claim_in_one_statement([store.Claim(job, SLOT)]) is one, "not MySQL, nor MariaDB before 10.5"
         return
     monkeypatch.setattr(sql, "CLAIM_FUNCTION", "django_anarchon_claim_not_migrated")
     monkeypatch.setattr(sql, "_MISSING_FUNCTION", set())
@@ -688,7 +696,7 @@ def test_the_one_statement_claim_leaves_to_the_general_path_what_it_cannot_decid
 @pytest.fixture(params=["one statement", "general"])
 def claim_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test with it twice: as the loop claims (the one-statement claim where the database has
-    one, PostgreSQL and SQLite) and by the general transaction alone."""
+    one: PostgreSQL, SQLite and MariaDB) and by the general transaction alone."""
     if request.param == "general":
         monkeypatch.setattr(store.statements, "can_claim_in_one_statement", lambda claims: False)
     return str(request.param)

@@ -24,8 +24,9 @@ The rules, which every function below follows:
   nothing. On PostgreSQL the plain scheduled claim is one call of
   ``django_anarchon_claim()`` (migration 0003), which follows the same rules
   in one round trip (see :mod:`.sql`); on SQLite it is one ``INSERT ... SELECT``
-  (``statements._claim_scheduled_sqlite``), which holds the database's write
-  lock from its start, as the job locks' UPDATE does.
+  (``statements._claim_by_insert``), which holds the database's write lock
+  from its start, as the job locks' UPDATE does; on MariaDB the same statement
+  follows the job locks, in their transaction.
 """
 
 from __future__ import annotations

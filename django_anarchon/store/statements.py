@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple, TypeVar
 
-from django.db import ProgrammingError, connections
+from django.db import ProgrammingError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import DateTimeField, ExpressionWrapper, Model
@@ -867,6 +867,11 @@ class NoClaimFunction(Exception):
 
 _MISSING_FUNCTION: set[str] = set()  # aliases found without the function (warned once)
 _CLAIM_INSTANTS = ("created_at", "started_at", "lease_expires_at")
+# The columns the one-statement claims of SQLite and MariaDB write, in their SELECT's order.
+_CLAIM_COLUMNS = (
+    "job, slot, attempt, status, reason, manual, scheduled_at, instance_id, owner, lease_expires_at, "
+    "created_at, started_at, finished_at, data, progress, error_type, error_message, traceback, detail"
+)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -880,6 +885,9 @@ def can_claim_in_one_statement(claims: Sequence[Claim]) -> bool:
     connection = connections[db]
     if connection.vendor == "postgresql":
         if db in _MISSING_FUNCTION:
+            return False
+    elif connection.vendor == "mysql":
+        if not _mariadb_returning(connection):
             return False
     elif connection.vendor != "sqlite" or not connection.features.can_return_rows_from_bulk_insert:
         return False
@@ -912,17 +920,18 @@ def claim_scheduled(
     decides; a job with no row yet) is for :func:`.claims.decide`'s Python path.
     The call runs in autocommit unless the caller holds a transaction, so what
     it returns is committed when it returns. PostgreSQL: one call of
-    ``django_anarchon_claim()``; SQLite: see :func:`_claim_scheduled_sqlite`.
+    ``django_anarchon_claim()``; SQLite and MariaDB: see :func:`_claim_by_insert`.
     """
     db = alias()
-    if connections[db].vendor == "sqlite":
-        return _claim_scheduled_sqlite(
+    if connections[db].vendor != "postgresql":
+        return _claim_by_insert(
             claims,
             owner=owner,
             instance_id=instance_id,
             ttl=ttl,
             capacity=capacity,
             default_data=default_data,
+            skip_locked=skip_locked,
             first_look=first_look,
         )
     ordered = sorted(claims, key=lambda c: (c.slot, c.job.name))
@@ -994,7 +1003,15 @@ def claim_scheduled(
     return outcome, undecided
 
 
-def _claim_scheduled_sqlite(
+def _mariadb_returning(connection: Any) -> bool:
+    """Whether ``connection`` is MariaDB 10.5 or later: ``INSERT ... SELECT ... RETURNING`` (MySQL has none)."""
+    if not getattr(connection, "mysql_is_mariadb", False) or connection.mysql_version < (10, 5):
+        return False
+    connection.ensure_connection()  # _literal() asks the driver's connection
+    return _literal(connection) is not None
+
+
+def _claim_by_insert(
     claims: Sequence[Claim],
     *,
     owner: str,
@@ -1002,20 +1019,25 @@ def _claim_scheduled_sqlite(
     ttl: float,
     capacity: int,
     default_data: Any,
+    skip_locked: bool,
     first_look: bool,
 ) -> tuple[Outcome, list[Claim]]:
-    """:func:`claim_scheduled` on SQLite: one ``INSERT ... SELECT ... RETURNING``, in autocommit.
+    """:func:`claim_scheduled` on SQLite and MariaDB: one ``INSERT ... SELECT ... RETURNING``.
 
-    A writing statement takes SQLite's write lock before it reads anything (and waits for it
-    within the busy timeout), so the statement decides alone, from everything committed
-    before it, as a claim under the job locks does: it inserts the ``running`` row of each
-    claim (in slot, job order, up to ``capacity``) whose job has a row, is not paused and,
-    unless its overlap is ``allow``, has no active run, and whose slot nobody decided; the
-    unique constraint still turns away a slot taken meanwhile (``ON CONFLICT DO NOTHING``).
-    The general claim took a transaction of five statements, the first writing every job's
-    row to take that lock.
+    SQLite, in autocommit: a writing statement takes SQLite's write lock before it reads
+    anything (and waits for it within the busy timeout), so the statement decides alone, from
+    everything committed before it, as a claim under the job locks does. MariaDB: the jobs'
+    rows are locked first (``FOR UPDATE``, ``SKIP LOCKED`` with ``skip_locked``: the jobs held
+    elsewhere are returned busy), paused jobs left out, then the statement runs in the same
+    transaction; under ``READ COMMITTED`` it reads what was committed before it, after the locks.
 
-    With ``first_look``, slots already decided are looked up first, without the write lock
+    The statement inserts the ``running`` row of each claim (in slot, job order, up to
+    ``capacity``) whose job has a row, is not paused and, unless its overlap is ``allow``, has
+    no active run, and whose slot nobody decided; the unique constraint still turns away a slot
+    taken meanwhile (``ON CONFLICT DO NOTHING``, MariaDB's ``INSERT IGNORE``). The general
+    claim took a transaction of five statements.
+
+    With ``first_look``, slots already decided are looked up first, without a lock
     (:func:`.claims.decide`): a statement of an instance that lost them would take it.
     What it did not win is looked at again, without a lock: slots someone else decided and
     jobs paused are left alone; the rest (a busy job, a job with no row yet, a claim past
@@ -1044,6 +1066,18 @@ def _claim_scheduled_sqlite(
         return outcome, undecided
 
     texts = _data_texts(sent, default_data)
+    if connection.vendor != "sqlite":
+        return _claim_by_insert_locked(
+            connection,
+            sent,
+            undecided,
+            texts,
+            owner=owner,
+            instance_id=instance_id,
+            ttl=ttl,
+            capacity=capacity,
+            skip_locked=skip_locked,
+        )
     data_sql = {name: "NULL" if value is None else _sqlite_text(value) for name, value in texts.items()}
     # Per distinct slot (a batch is mostly one or two): adapting a datetime the field's way is slow.
     moments = {
@@ -1075,20 +1109,7 @@ def _claim_scheduled_sqlite(
         for name in _CLAIM_INSTANTS
         for c in [_converters(connection, Run, Run._meta.get_field(name))]
     }
-    instants: dict[tuple[str, Any], Any] = {}  # each distinct instant converted once
-    won: set[tuple[str, int]] = set()
-    for run_id, job, slot, *moments_found in found:
-        claim = by_key[(job, slot)]
-        won.add((job, slot))
-        own = None if (kept := texts[job]) is None else json.loads(kept)  # each run its own copy of the data
-        row = first_attempt(claim, base, own, db)
-        row.id = run_id
-        for name, raw in zip(_CLAIM_INSTANTS, moments_found, strict=True):
-            if (name, raw) not in instants:
-                instants[(name, raw)] = _converted(raw, converters[name], connection)
-            setattr(row, name, instants[(name, raw)])
-        outcome.won.append(row)
-    outcome.won.sort(key=lambda r: (r.slot, r.job))
+    outcome.won, won = _won_rows(found, by_key, texts, base, converters, connection)
     lost = [c for c in sent if (c.job.name, c.slot) not in won]
     if lost:
         # Decided by someone else, or paused: nothing to do. The rest is for the Python path.
@@ -1097,6 +1118,121 @@ def _claim_scheduled_sqlite(
         paused = paused_among(sorted({c.job.name for c in lost}))
         undecided.extend(c for c in lost if c.job.name not in paused)
     return outcome, sorted(undecided, key=lambda c: (c.slot, c.job.name))
+
+
+def _claim_by_insert_locked(
+    connection: Any,
+    sent: list[Claim],
+    undecided: list[Claim],
+    texts: dict[str, str | None],
+    *,
+    owner: str,
+    instance_id: str,
+    ttl: float,
+    capacity: int,
+    skip_locked: bool,
+) -> tuple[Outcome, list[Claim]]:
+    """:func:`_claim_by_insert` on MariaDB: the job locks, then the statement, in one transaction."""
+    outcome = Outcome()
+    names = sorted({c.job.name for c in sent})
+    skip = skip_locked and connection.features.has_select_for_update_skip_locked
+    with transaction.atomic(using=connection.alias):
+        states = lock_jobs(names, skip_locked=skip)
+        outcome.busy = [n for n in names if n not in states]
+        open_claims = [c for c in sent if c.job.name in states and not states[c.job.name].paused]
+        found: list[Any] = []
+        if open_claims:
+            # MySQLdb writes every parameter into the text in Python: the values go in as its own
+            # literals, each distinct one escaped once (see _literal), the names kept per connection.
+            literal = _literal(connection)
+            if literal is None:  # _mariadb_returning() said there is one
+                raise NotImplementedError("MariaDB's one-statement claim needs MySQLdb's literal()")
+            known = _known_literals(connection)
+            data_sql = {name: "NULL" if v is None else literal(v) for name, v in texts.items()}
+            moments = {
+                slot: literal(_MOMENT.get_db_prep_save(slot_datetime(slot), connection))
+                for slot in {c.slot for c in open_claims}
+            }
+            rows = ", ".join(
+                f"({known.get(c.job.name) or known.setdefault(c.job.name, literal(c.job.name))}, {int(c.slot)}, "
+                f"{moments[c.slot]}, {data_sql[c.job.name]}, {1 if c.job.overlap == 'allow' else 0})"
+                for c in open_claims
+            )
+            insert, _ = _built(
+                ("mariadb claim", connection.alias, ttl, owner, instance_id),
+                lambda: _mariadb_claim_sql(connection, ttl, owner=owner, instance_id=instance_id, literal=literal),
+            )
+            sql = insert.replace("(VALUES)", f"(VALUES {rows})", 1).replace(
+                "LIMIT %s", f"LIMIT {int(max(capacity, 0))}"
+            )
+            params: list[Any] = []
+            with connection.cursor() as cursor:
+                cursor.execute(sql, params)
+                found = cursor.fetchall()
+    by_key = {(c.job.name, c.slot): c for c in open_claims}
+    base = first_attempt_values(Status.RUNNING, instance_id=instance_id, owner=owner)
+    converters = {name: _converters(connection, Run, Run._meta.get_field(name)) for name in _CLAIM_INSTANTS}
+    outcome.won, won = _won_rows(found, by_key, texts, base, converters, connection)
+    lost = [c for c in open_claims if (c.job.name, c.slot) not in won]
+    if lost:
+        taken = decided(sorted({c.job.name for c in lost}), sorted({c.slot for c in lost}))
+        undecided.extend(c for c in lost if (c.job.name, c.slot) not in taken)
+    return outcome, sorted(undecided, key=lambda c: (c.slot, c.job.name))
+
+
+def _won_rows(
+    found: Sequence[Any],
+    by_key: dict[tuple[str, int], Claim],
+    texts: dict[str, str | None],
+    base: dict[str, Any],
+    converters: dict[str, tuple[Any, list[Any]]],
+    connection: Any,
+) -> tuple[list[Run], set[tuple[str, int]]]:
+    """The runs a claim's ``INSERT ... RETURNING`` wrote (id, job, slot, then the instants), in (slot, job)
+    order, and their (job, slot) pairs; each distinct instant converted once."""
+    instants: dict[tuple[str, Any], Any] = {}
+    won: set[tuple[str, int]] = set()
+    rows: list[Run] = []
+    for run_id, job, slot, *moments_found in found:
+        claim = by_key[(job, slot)]
+        won.add((job, slot))
+        own = None if (kept := texts[job]) is None else json.loads(kept)  # each run its own copy of the data
+        row = first_attempt(claim, base, own, connection.alias)
+        row.id = run_id
+        for name, raw in zip(_CLAIM_INSTANTS, moments_found, strict=True):
+            if (name, raw) not in instants:
+                instants[(name, raw)] = _converted(raw, converters[name], connection)
+            setattr(row, name, instants[(name, raw)])
+        rows.append(row)
+    rows.sort(key=lambda r: (r.slot, r.job))
+    return rows, won
+
+
+def _mariadb_claim_sql(
+    connection: Any, ttl: float, *, owner: str, instance_id: str, literal: Callable[[Any], str]
+) -> tuple[str, list[Any]]:
+    """MariaDB's claim statement, its claims' ``VALUES`` left empty (see :func:`_sqlite_claim_sql`), built once."""
+    q = connection.ops.quote_name
+    now = now_sql(connection)
+    lease_sql, lease_params = _clock_sql(connection, db_in(ttl))
+    columns = _CLAIM_COLUMNS
+    run = _name(connection, Run)
+    active = f"({q('status')} = 'running' OR ({q('attempt')} > 1 AND {q('status')} = 'pending'))"
+    sql = (
+        f"INSERT IGNORE INTO {run} ({', '.join(q(c.strip()) for c in columns.split(','))}) "
+        "WITH c(job, slot, scheduled_at, data, allow) AS (VALUES) "
+        f"SELECT c.job, c.slot, 1, %s, %s, 0, c.scheduled_at, %s, %s, {lease_sql}, {now}, "  # noqa: S608 - names
+        f"GREATEST({now}, c.scheduled_at), NULL, c.data, NULL, '', '', '', '' FROM c "
+        f"WHERE NOT EXISTS (SELECT 1 FROM {run} r WHERE r.{q('job')} = c.job AND r.{q('slot')} = c.slot "
+        f"AND r.{q('attempt')} = 1 AND r.{q('manual')} = 0) "
+        f"AND (c.allow OR NOT EXISTS (SELECT 1 FROM {run} r WHERE r.{q('job')} = c.job AND {active})) "
+        f"ORDER BY c.slot, c.job LIMIT %s "
+        f"RETURNING {q('id')}, {q('job')}, {q('slot')}, " + ", ".join(q(name) for name in _CLAIM_INSTANTS)
+    )
+    # Everything but the claims' VALUES and the LIMIT is the same for every claim of this instance.
+    head, limit = sql.split("LIMIT %s")
+    head, _ = _inlined(head, [Status.RUNNING, Reason.SCHEDULED, instance_id, owner, *lease_params], literal)
+    return head + "LIMIT %s" + limit, []
 
 
 def _data_texts(claims: Sequence[Claim], default_data: Any) -> dict[str, str | None]:
@@ -1119,7 +1255,7 @@ def _sqlite_text(value: str) -> str:
 
 
 def _sqlite_claim_sql(connection: Any, ttl: float) -> tuple[str, list[Any]]:
-    """What follows the claims' VALUES in :func:`_claim_scheduled_sqlite`, built once: SQL and the lease's parameters.
+    """What follows the claims' VALUES in :func:`_claim_by_insert`, built once: SQL and the lease's parameters.
 
     Its parameters, after the job names of the VALUES: status, reason, instance, owner, the
     lease's, and the LIMIT (``MAX_WORKERS`` free).
@@ -1127,10 +1263,7 @@ def _sqlite_claim_sql(connection: Any, ttl: float) -> tuple[str, list[Any]]:
     q = connection.ops.quote_name
     now = now_sql(connection)
     lease_sql, lease_params = _clock_sql(connection, db_in(ttl))
-    columns = (
-        "job, slot, attempt, status, reason, manual, scheduled_at, instance_id, owner, lease_expires_at, "
-        "created_at, started_at, finished_at, data, progress, error_type, error_message, traceback, detail"
-    )
+    columns = _CLAIM_COLUMNS
     run, state = _name(connection, Run), _name(connection, JobState)
     # The active runs' condition as the partial index anarchon_run_active has it (models.ACTIVE),
     # written out: SQLite uses a partial index only for a query that names its very condition.
