@@ -119,7 +119,15 @@ def _texts(connection: Any, values: Sequence[str]) -> tuple[str, list[str]]:
     if literal is None:
         return _marks(len(values)), list(values)
     known = _known_literals(connection)
-    return ", ".join([known.get(v) or known.setdefault(v, literal(v)) for v in values]), []
+    return ", ".join([_kept_literal(known, literal, v) for v in values]), []
+
+
+def _kept_literal(known: dict[str, str], literal: Callable[[Any], str], name: str) -> str:
+    """The literal of job name ``name``, from ``known`` (see :func:`_known_literals`), or made and kept there."""
+    text = known.get(name)
+    if text is None:
+        text = known[name] = literal(name)
+    return text
 
 
 _LITERALS_KEPT = 100_000
@@ -603,10 +611,7 @@ def insert_runs(rows: Sequence[Run]) -> list[Run] | None:
             # A job name: the value itself (what CharField prepares), its literal kept per connection.
             if literal is None or known is None:
                 return "%s", [value]
-            text = known.get(value)
-            if text is None:
-                text = known[value] = literal(value)
-            return text, []
+            return _kept_literal(known, literal, value), []
         if type(value) not in _PLAIN and hasattr(value, "resolve_expression"):
             computed.add(field.attname)
             key: Any = id(value)  # the rows hold the expression: its id stays its own meanwhile
@@ -1067,17 +1072,21 @@ def _claim_by_insert(
 
     texts = _data_texts(sent, default_data)
     if connection.vendor != "sqlite":
-        return _claim_by_insert_locked(
+        literal = _literal(connection)
+        if literal is None:  # not MySQLdb: can_claim_in_one_statement() said no; the Python path decides
+            return outcome, sorted(ordered, key=lambda c: (c.slot, c.job.name))
+        outcome, left = _claim_by_insert_locked(
             connection,
             sent,
-            undecided,
             texts,
+            literal,
             owner=owner,
             instance_id=instance_id,
             ttl=ttl,
             capacity=capacity,
             skip_locked=skip_locked,
         )
+        return outcome, sorted(undecided + left, key=lambda c: (c.slot, c.job.name))
     data_sql = {name: "NULL" if value is None else _sqlite_text(value) for name, value in texts.items()}
     # Per distinct slot (a batch is mostly one or two): adapting a datetime the field's way is slow.
     moments = {
@@ -1123,8 +1132,8 @@ def _claim_by_insert(
 def _claim_by_insert_locked(
     connection: Any,
     sent: list[Claim],
-    undecided: list[Claim],
     texts: dict[str, str | None],
+    literal: Callable[[Any], str],
     *,
     owner: str,
     instance_id: str,
@@ -1132,7 +1141,10 @@ def _claim_by_insert_locked(
     capacity: int,
     skip_locked: bool,
 ) -> tuple[Outcome, list[Claim]]:
-    """:func:`_claim_by_insert` on MariaDB: the job locks, then the statement, in one transaction."""
+    """:func:`_claim_by_insert` on MariaDB: the job locks, then the statement, in one transaction.
+
+    Returns the outcome and the claims it left undecided (busy job, past ``capacity``), in no order.
+    """
     outcome = Outcome()
     names = sorted({c.job.name for c in sent})
     skip = skip_locked and connection.features.has_select_for_update_skip_locked
@@ -1144,9 +1156,6 @@ def _claim_by_insert_locked(
         if open_claims:
             # MySQLdb writes every parameter into the text in Python: the values go in as its own
             # literals, each distinct one escaped once (see _literal), the names kept per connection.
-            literal = _literal(connection)
-            if literal is None:  # _mariadb_returning() said there is one
-                raise NotImplementedError("MariaDB's one-statement claim needs MySQLdb's literal()")
             known = _known_literals(connection)
             data_sql = {name: "NULL" if v is None else literal(v) for name, v in texts.items()}
             moments = {
@@ -1154,7 +1163,7 @@ def _claim_by_insert_locked(
                 for slot in {c.slot for c in open_claims}
             }
             rows = ", ".join(
-                f"({known.get(c.job.name) or known.setdefault(c.job.name, literal(c.job.name))}, {int(c.slot)}, "
+                f"({_kept_literal(known, literal, c.job.name)}, {int(c.slot)}, "
                 f"{moments[c.slot]}, {data_sql[c.job.name]}, {1 if c.job.overlap == 'allow' else 0})"
                 for c in open_claims
             )
@@ -1174,10 +1183,10 @@ def _claim_by_insert_locked(
     converters = {name: _converters(connection, Run, Run._meta.get_field(name)) for name in _CLAIM_INSTANTS}
     outcome.won, won = _won_rows(found, by_key, texts, base, converters, connection)
     lost = [c for c in open_claims if (c.job.name, c.slot) not in won]
-    if lost:
-        taken = decided(sorted({c.job.name for c in lost}), sorted({c.slot for c in lost}))
-        undecided.extend(c for c in lost if (c.job.name, c.slot) not in taken)
-    return outcome, sorted(undecided, key=lambda c: (c.slot, c.job.name))
+    if not lost:
+        return outcome, []
+    taken = decided(sorted({c.job.name for c in lost}), sorted({c.slot for c in lost}))
+    return outcome, [c for c in lost if (c.job.name, c.slot) not in taken]
 
 
 def _won_rows(
