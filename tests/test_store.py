@@ -435,6 +435,32 @@ def test_a_plain_claim_is_one_statement_on_postgresql_and_never_reads_back_elsew
         assert "RETURNING" in statements[-1] or not connection.features.can_return_rows_from_bulk_insert
 
 
+def test_the_runs_a_one_statement_claim_hands_back_hold_the_instants_the_database_wrote() -> None:
+    """Each database's one-statement claim returns its clock's instants in its own way (PostgreSQL and
+    MariaDB as integers, SQLite as text): the runs handed to the engine hold what the rows hold, to the
+    microsecond, for a slot claimed ahead (it starts at its slot) and one claimed late (it starts now)."""
+    from django_anarchon.store import statements
+
+    ahead, late = make_job("ahead"), make_job("late")
+    store.ensure_jobs([ahead, late])
+    now_ms = int(time.time() * 1000)
+    slots = {"ahead": (now_ms // 1000 + 60) * 1000, "late": (now_ms // 1000 - 1) * 1000}
+    claims = [store.Claim(ahead, slots["ahead"]), store.Claim(late, slots["late"])]
+    connection = connections[store.alias()]
+    if connection.vendor != "mysql" or (connection.mysql_is_mariadb and connection.mysql_version >= (10, 5)):
+        assert statements.can_claim_in_one_statement(claims), "plain scheduled claims: the one statement"
+    outcome = decide(claims, now_ms=now_ms)
+    assert sorted(r.job for r in outcome.won) == ["ahead", "late"], outcome
+    for run in outcome.won:
+        stored = Run.objects.get(pk=run.pk)
+        for name in ("created_at", "started_at", "lease_expires_at", "scheduled_at"):
+            assert getattr(run, name) == getattr(stored, name), (run.job, name, getattr(run, name))
+            assert getattr(run, name).utcoffset() == timedelta(0), (run.job, name, "aware, in UTC")
+    by_job = {r.job: r for r in outcome.won}
+    assert by_job["ahead"].started_at == by_job["ahead"].scheduled_at, "claimed ahead: starts at its slot"
+    assert by_job["late"].started_at == by_job["late"].created_at, "claimed late: starts when claimed"
+
+
 def test_a_busy_jobs_slot_handed_back_by_the_claim_function_is_not_looked_at_twice() -> None:
     """PostgreSQL: the function took the unlocked first look; the Python path goes straight to the lock."""
     from django.db import connection
