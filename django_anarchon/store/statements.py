@@ -1118,15 +1118,7 @@ def _claim_by_insert(
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         found = cursor.fetchall()
-    by_key = {(c.job.name, c.slot): c for c in sent}
-    base = first_attempt_values(Status.RUNNING, instance_id=instance_id, owner=owner)
-    converters = {
-        name: (c[0], [_from_text, *c[1]])
-        for name in _CLAIM_INSTANTS
-        for c in [_converters(connection, Run, Run._meta.get_field(name))]
-    }
-    outcome.won, won = _won_rows(found, by_key, texts, base, converters, connection)
-    lost = [c for c in sent if (c.job.name, c.slot) not in won]
+    outcome.won, lost = _won_rows(found, sent, texts, _from_text, connection, owner=owner, instance_id=instance_id)
     if lost:
         # Decided by someone else, or paused: nothing to do. The rest is for the Python path.
         taken = decided(sorted({c.job.name for c in lost}), sorted({c.slot for c in lost}))
@@ -1185,15 +1177,9 @@ def _claim_by_insert_locked(
             with connection.cursor() as cursor:
                 cursor.execute(sql, params)
                 found = cursor.fetchall()
-    by_key = {(c.job.name, c.slot): c for c in open_claims}
-    base = first_attempt_values(Status.RUNNING, instance_id=instance_id, owner=owner)
-    converters = {
-        name: (c[0], [_from_microseconds, *c[1]])
-        for name in _CLAIM_INSTANTS
-        for c in [_converters(connection, Run, Run._meta.get_field(name))]
-    }
-    outcome.won, won = _won_rows(found, by_key, texts, base, converters, connection)
-    lost = [c for c in open_claims if (c.job.name, c.slot) not in won]
+    outcome.won, lost = _won_rows(
+        found, open_claims, texts, _from_microseconds, connection, owner=owner, instance_id=instance_id
+    )
     if not lost:
         return outcome, []
     taken = decided(sorted({c.job.name for c in lost}), sorted({c.slot for c in lost}))
@@ -1202,18 +1188,28 @@ def _claim_by_insert_locked(
 
 def _won_rows(
     found: Sequence[Any],
-    by_key: dict[tuple[str, int], Claim],
+    sent: Sequence[Claim],
     texts: dict[str, str | None],
-    base: dict[str, Any],
-    converters: dict[str, tuple[Any, list[Any]]],
+    read_instant: Callable[[Any, Any, Any], Any],
     connection: Any,
-) -> tuple[list[Run], set[tuple[str, int]]]:
+    *,
+    owner: str,
+    instance_id: str,
+) -> tuple[list[Run], list[Claim]]:
     """The runs a claim's ``INSERT ... RETURNING`` wrote (id, job, slot, then the instants), in (slot, job)
-    order, and their (job, slot) pairs; each distinct instant converted once."""
+    order, and the claims of ``sent`` it did not win.
+
+    ``read_instant`` turns a returned instant into what the driver returns for the column (the
+    database's statement returns it as text or integer); Django's converters do the rest, each
+    distinct instant once.
+    """
+    by_key = {(c.job.name, c.slot): c for c in sent}
+    base = first_attempt_values(Status.RUNNING, instance_id=instance_id, owner=owner)
     # Per instant: its converters and the values converted so far (a batch's rows share a few).
-    instants: list[tuple[str, tuple[Any, list[Any]], dict[Any, Any]]] = [
-        (name, converters[name], {}) for name in _CLAIM_INSTANTS
-    ]
+    instants: list[tuple[str, tuple[Any, list[Any]], dict[Any, Any]]] = []
+    for name in _CLAIM_INSTANTS:
+        column, functions = _converters(connection, Run, Run._meta.get_field(name))
+        instants.append((name, (column, [read_instant, *functions]), {}))
     alias = connection.alias
     won: set[tuple[str, int]] = set()
     rows: list[Run] = []
@@ -1231,7 +1227,7 @@ def _won_rows(
             values[name] = value
         rows.append(row)
     rows.sort(key=lambda r: (r.slot, r.job))
-    return rows, won
+    return rows, [c for c in sent if (c.job.name, c.slot) not in won]
 
 
 def _mariadb_claim_sql(
