@@ -63,12 +63,26 @@ class Clock:
             return (time.monotonic() + anchor) * 1000 + offset_ms
         return time.time() * 1000 + offset_ms
 
-    def measured(self, offset_ms: float) -> None:
+    def measured(self, offset_ms: float, wall_minus_monotonic: float | None = None) -> None:
         """The database's clock (another host's) was just measured ``offset_ms`` from this host's wall clock.
 
-        From now on the corrected time is anchored to the monotonic clock (see the class).
+        ``wall_minus_monotonic`` is this host's wall clock minus its monotonic clock as the
+        measurement read them (:meth:`reading`); by default, now. From now on the corrected time
+        is anchored to the monotonic clock (see the class).
         """
-        self._reading = (True, time.time() - time.monotonic(), offset_ms)
+        if wall_minus_monotonic is None:
+            wall_minus_monotonic = time.time() - time.monotonic()
+        self._reading = (True, wall_minus_monotonic, offset_ms)
+
+    @staticmethod
+    def reading() -> tuple[float, float]:
+        """This host's wall and monotonic clocks, read together (seconds)."""
+        return time.time(), time.monotonic()
+
+    @classmethod
+    def steady_between(cls, before: tuple[float, float], after: tuple[float, float]) -> bool:
+        """Whether the wall clock moved with the monotonic one between two :meth:`reading` results (no step)."""
+        return abs((after[0] - before[0]) - (after[1] - before[1])) <= cls.STEP_S
 
     def follow_step(self, step_s: float) -> None:
         """This host's wall clock was stepped by ``step_s`` and the database's was not: keep the corrected time.

@@ -716,12 +716,19 @@ class Engine:
         if connections[store.alias()].vendor == "sqlite":
             return True  # the same host's clock
         for _ in range(samples):
-            before = time.time()
+            before = self.clock.reading()
             value = self.trouble.call(store.database_time)
-            after = time.time()
+            after = self.clock.reading()
             if value is FAILED:
                 return False
-            self.clock.measured(self.estimate.add(before, after, value.timestamp()))
+            if not self.clock.steady_between(before, after):
+                # This host's wall clock was stepped during the round trip (or read wrong once): the
+                # sample is off by part of the step, and the corrected time would jump by all of it
+                # until measured again. Not used; the next turn measures again.
+                self._clock_unsure = True
+                return False
+            offset = self.estimate.add(before[0], after[0], value.timestamp())
+            self.clock.measured(offset, wall_minus_monotonic=after[0] - after[1])
         offset, warned = self.clock.offset_ms, self._skew_warned_ms
         if abs(offset) > SKEW_WARN_MS:
             # Said again when it changes by as much (a clock stepped or drifting further).

@@ -749,6 +749,22 @@ def test_an_unexpected_error_while_starting_is_logged_and_tried_again(
     assert any("Unexpected error while the scheduler started" in r.getMessage() and r.exc_info for r in caplog.records)
 
 
+def _stopped_after_measuring(sched: Scheduler) -> Any:
+    """An engine that measured the database's clock at start, stopped: only the test's measurements now.
+
+    Skips on SQLite, whose clock is the calling process's (docs/reliability.md).
+    """
+    from tests.conftest import vendor
+
+    if vendor() == "sqlite":
+        pytest.skip("not applicable to SQLite: its clock is the calling process's, stepped with it")
+    sched.every("spare", ON_DEMAND, lambda ctx: None)
+    start(sched)
+    engine = running_engine(sched)
+    sched.stop(2)
+    return engine
+
+
 def test_the_clock_offset_warning_is_said_again_when_the_offset_moves_and_its_end_is_said(
     sched: Scheduler, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -756,14 +772,7 @@ def test_the_clock_offset_warning_is_said_again_when_the_offset_moves_and_its_en
     from datetime import datetime
     from datetime import timezone as tz
 
-    from tests.conftest import vendor
-
-    if vendor() == "sqlite":
-        pytest.skip("not applicable to SQLite: its clock is the calling process's (docs/reliability.md)")
-    sched.every("spare", ON_DEMAND, lambda ctx: None)
-    start(sched)
-    engine = running_engine(sched)
-    sched.stop(2)  # its loop measures every few seconds: only this test's measurements now
+    engine = _stopped_after_measuring(sched)
     offset = {"s": 0.0}
     monkeypatch.setattr(store, "database_time", lambda: datetime.fromtimestamp(time.time() + offset["s"], tz=tz.utc))
 
@@ -781,6 +790,46 @@ def test_the_clock_offset_warning_is_said_again_when_the_offset_moves_and_its_en
     assert measure(0.0) == []
 
 
+@pytest.mark.parametrize("step_s", [-20.0, 20.0])
+def test_a_clock_sample_taken_across_a_step_of_this_hosts_clock_moves_no_slot(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch, step_s: float
+) -> None:
+    """A step of the host's wall clock during a measurement's round trip (or one wrong read of it, as
+    libfaketime gives now and then) made a sample off by half the step, or anchored good samples to the
+    stepped clock: the corrected time jumped by 10-20 s until the next turn measured again, and runs
+    waiting for their slots started early or a turn late. Such a sample is not used."""
+    from datetime import datetime
+    from datetime import timezone as tz
+
+    from django_anarchon import clock as clock_module
+
+    engine = _stopped_after_measuring(sched)
+    assert engine.clock.anchored
+    real_time, real_monotonic, stepped = time.time, time.monotonic, {"s": 0.0}
+
+    class SteppedTime:
+        @staticmethod
+        def time() -> float:
+            return real_time() + stepped["s"]
+
+        monotonic = staticmethod(real_monotonic)
+
+    def database_time() -> datetime:
+        stepped["s"] = step_s  # NTP steps this host's clock while the query is on its way
+        return datetime.fromtimestamp(real_time(), tz=tz.utc)
+
+    monkeypatch.setattr(clock_module, "time", SteppedTime)
+    monkeypatch.setattr(store, "database_time", database_time)
+    measured = engine._measure_clock()
+    assert engine.clock.exact_ms() == pytest.approx(real_time() * 1000, abs=50), "the corrected time did not move"
+    assert measured is False, "a sample across a step is no measurement"
+    assert engine._clock_unsure, "measured again at the next turn"
+    stepped["s"] = 0.0
+    monkeypatch.setattr(store, "database_time", lambda: datetime.fromtimestamp(real_time(), tz=tz.utc))
+    assert engine._measure_clock() is True
+    assert engine.clock.exact_ms() == pytest.approx(real_time() * 1000, abs=50)
+
+
 def test_a_clock_step_made_while_the_database_is_away_does_not_move_the_corrected_time(
     sched: Scheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -791,14 +840,7 @@ def test_a_clock_step_made_while_the_database_is_away_does_not_move_the_correcte
 
     from django.db import OperationalError
 
-    from tests.conftest import vendor
-
-    if vendor() == "sqlite":
-        pytest.skip("not applicable to SQLite: its clock is the calling process's, stepped with it")
-    sched.every("spare", ON_DEMAND, lambda ctx: None)
-    start(sched)
-    engine = running_engine(sched)
-    sched.stop(2)  # only this test's measurements now
+    engine = _stopped_after_measuring(sched)
     database = {"up": False}
     host_ahead_s = 180.0  # what the wall clock reads beyond the database's once stepped
 

@@ -650,7 +650,10 @@ def test_a_clock_stepped_back_and_forth_under_a_running_instance_starts_no_run_e
     early = [round(s, 3) for s in lateness if s < -0.005]
     late = [round(s, 3) for s in lateness if s > 0.15]
     assert not early, f"{len(early)} of {len(starts)} runs started before their slot (s): {early}"
-    assert not late, f"{len(late)} of {len(starts)} runs started late (s): {late}"
+    # Before the fix the backward steps made 2-3 runs of 47 start a loop turn (~0.25 s) late in
+    # every try. One run late alone can be the machine's: a CI run had one at 0.32 s, where 18
+    # tries on a quiet machine had none over 0.06 s and tries with both cores kept busy had several.
+    assert len(late) <= 1 and lateness[-1] < 1.0, f"{len(late)} of {len(starts)} runs started late (s): {late}"
     report(
         "clock_steps_back_and_forth",
         {"steps": 8, "runs": len(starts), "lateness": percentiles(lateness)},
